@@ -1,0 +1,172 @@
+"""The Coordinator deployment: owns every request and runs its draft -> score -> accept
+rounds against the Draft and Target pools. It is also the HTTP ingress (OpenAI API).
+
+All request state (prompt, committed tokens, parameters, effective seed) lives here; the
+pools hold only caches. A failed draft call is retried on another replica and, failing
+that, the round runs target-only; a failed target call is retried (the replica that
+answers re-prefills from the token list it is sent). Randomness is keyed by (seed,
+position), so none of this changes a seeded request's text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from collections.abc import AsyncIterator
+
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+from transformers import AutoTokenizer
+
+from deployments import openai_api
+from deployments.metrics import CoordinatorMetrics
+from specdec.api_types import GenerateDelta, GenerateRequest, GenerateResult
+from specdec.errors import RequestError
+from specdec.generation import Generation, ModelInfo, RoundResult, RoundTimes, generate_stream
+from specdec.model_pair import check_same_tokenizer, resolve_model
+from specdec.params import SamplingParams
+from specdec.vocab import eos_token_ids
+from specdec.rounds import DraftCall, Proposal, ScoreCall, Scores
+
+logger = logging.getLogger("ray.serve")
+
+# Errors that mean "that replica is gone or going", worth a retry elsewhere.
+REPLICA_LOST = (RayActorError, ActorUnavailableError)
+
+
+class CoordinatorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    served_model_name: str = "specdec-qwen2.5-coder"
+    draft_model: str = "default-draft"
+    target_model: str = "default-target"
+    cache_dir: str | None = None
+    num_speculative_tokens: int = 4  # default K; a request may set its own (0 = target-only)
+    draft_retries: int = 2  # then the round runs target-only
+    target_retries: int = 5
+    retry_backoff_s: float = 0.5
+
+
+@serve.deployment(name="Coordinator")
+@serve.ingress(openai_api.app)
+class Coordinator:
+    def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, config: dict):
+        self.config = CoordinatorConfig.model_validate(config)
+        self.draft, self.target = draft, target
+        draft_dir = resolve_model(self.config.draft_model, cache_dir=self.config.cache_dir)
+        target_dir = resolve_model(self.config.target_model, cache_dir=self.config.cache_dir)
+        check_same_tokenizer(draft_dir, target_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.model_name = self.config.served_model_name
+        self.metrics = CoordinatorMetrics(model=self.config.served_model_name)
+        self.info = ModelInfo(
+            tokenizer=self.tokenizer,
+            # The smaller of the two models bounds the vocabulary and the context.
+            vocab_size=min(_config(d)["vocab_size"] for d in (draft_dir, target_dir)),
+            max_context=min(_config(d)["max_position_embeddings"] for d in (draft_dir, target_dir)),
+            eos_token_ids=eos_token_ids(target_dir, self.tokenizer),
+            default_num_speculative_tokens=self.config.num_speculative_tokens,
+        )
+        self.max_context = self.info.max_context
+        openai_api.app.state.backend = self
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except Exception as error:  # template errors are the caller's messages' fault
+            raise RequestError(f"messages could not be formatted: {error}", param="messages")
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    # ---- the Python handle API ----------------------------------------------------------
+
+    async def generate(self, request, sampling_params=None) -> GenerateResult:
+        """`request`: a GenerateRequest, a dict of its fields, a prompt string, or a list of
+        token ids; `sampling_params`: a SamplingParams, a dict, or a vllm.SamplingParams."""
+        gen = await self._admit(request, sampling_params)
+        async for _ in self._rounds(gen):
+            pass
+        return gen.result()
+
+    async def generate_stream(self, request, sampling_params=None) -> AsyncIterator[GenerateDelta]:
+        """Streamed variant: call through `handle.options(stream=True)`."""
+        gen = await self._admit(request, sampling_params)
+        async for delta in self._rounds(gen):
+            yield delta
+
+    # ---- internals ----------------------------------------------------------------------
+
+    async def _admit(self, request, sampling_params) -> Generation:
+        return Generation.admit(_as_request(request, sampling_params), self.info)
+
+    async def _rounds(self, gen: Generation) -> AsyncIterator[GenerateDelta]:
+        started = time.perf_counter()
+        first_token_s = None
+        self.metrics.in_flight(+1)
+        try:
+            async for delta in generate_stream(gen, self._propose, self._score, self._on_round):
+                if first_token_s is None and delta.token_ids:
+                    first_token_s = time.perf_counter() - started
+                    self.metrics.first_token(first_token_s)
+                yield delta
+            self.metrics.finished(
+                gen.stats.to_dict(), time.perf_counter() - started, len(gen.output),
+                ttft_s=first_token_s, finish_reason=gen.finish_reason,
+            )
+        finally:
+            self.metrics.in_flight(-1)
+            # Fire and forget: a cancelled request must not wait on cleanup.
+            self.draft.release.remote(gen.request_id)
+            self.target.release.remote(gen.request_id)
+
+    def _on_round(self, gen: Generation, times: RoundTimes, outcome: RoundResult) -> None:
+        self.metrics.round(
+            times.draft_s, times.target_s, times.coordinator_s,
+            outcome.proposed, outcome.accepted, len(outcome.tokens),
+        )
+
+    async def _propose(self, call: DraftCall) -> Proposal:
+        for attempt in range(self.config.draft_retries + 1):
+            try:
+                return await self.draft.propose.remote(call)
+            except REPLICA_LOST as error:
+                logger.warning("draft call failed (attempt %d): %s", attempt + 1, error)
+                await asyncio.sleep(self.config.retry_backoff_s)
+        logger.warning("no draft replica answered; request %s runs a target-only round", call.request_id)
+        return Proposal(tokens=[], probs=None)
+
+    async def _score(self, call: ScoreCall) -> Scores:
+        for attempt in range(self.config.target_retries):
+            try:
+                return await self.target.score.remote(call)
+            except REPLICA_LOST as error:
+                logger.warning("target call failed (attempt %d): %s", attempt + 1, error)
+                await asyncio.sleep(self.config.retry_backoff_s * (attempt + 1))
+        return await self.target.score.remote(call)
+
+
+def _as_request(request, sampling_params) -> GenerateRequest:
+    if isinstance(request, GenerateRequest):
+        request = request.model_dump(exclude={"sampling_params"}) | {
+            "sampling_params": request.sampling_params
+        }
+    elif isinstance(request, str):
+        request = {"prompt": request}
+    elif isinstance(request, (list, tuple)):
+        request = {"prompt_token_ids": list(request)}
+    request = dict(request)
+    if sampling_params is not None:
+        request["sampling_params"] = sampling_params
+    if request.get("sampling_params") is not None:
+        request["sampling_params"] = SamplingParams.from_any(request["sampling_params"])
+    return GenerateRequest.model_validate(request)
+
+
+def _config(model_dir) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())

@@ -1,0 +1,93 @@
+"""Draft and Target deployments: a model runner behind Ray Serve's dynamic batching.
+
+Concurrent requests' calls are gathered by `@serve.batch` into one list, so their forward
+passes are shared. The model runs on one worker thread, which keeps the replica's event
+loop free (health checks, metrics, new calls queueing for the next batch) and serialises
+every use of the runner's caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+
+from specdec.model_pair import resolve_model
+from specdec.rounds import DraftCall, Proposal, ScoreCall, Scores, run_draft, run_target
+from specdec.runner import ModelRunner
+
+logger = logging.getLogger("ray.serve")
+
+
+class RunnerConfig(BaseModel):
+    """How one pool loads and runs its model (the `draft` / `target` args in ray_config.yaml)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str  # "default-draft" / "default-target", a local folder, or a hub id
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_cache_tokens: int = 65536  # KV cache bound, summed over the sequences it holds
+    num_threads: int | None = None  # torch threads; None = every core of the machine
+    max_batch_size: int = 16
+    batch_wait_timeout_s: float = 0.002
+    cache_dir: str | None = None  # where the default pair is converted and cached
+
+
+class _ModelServer:
+    def __init__(self, config: dict | RunnerConfig):
+        self.config = RunnerConfig.model_validate(config)
+        # Ray sets OMP_NUM_THREADS from the actor's num_cpus; a CPU replica left at one
+        # thread decodes at half speed on a 2-core machine.
+        torch.set_num_threads(self.config.num_threads or os.cpu_count() or 1)
+        path = resolve_model(self.config.model, cache_dir=self.config.cache_dir)
+        self.runner = ModelRunner(
+            path,
+            dtype=self.config.dtype,
+            device=self.config.device,
+            max_cache_tokens=self.config.max_cache_tokens,
+        )
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        logger.info(
+            "%s loaded %s on %s with %d threads",
+            type(self).__name__, path, self.config.device, torch.get_num_threads(),
+        )
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def release(self, request_id: str) -> None:
+        """Drop a finished request's cache (best effort: LRU eviction covers the rest)."""
+        await self._run(self.runner.release, request_id)
+
+    async def cache_usage(self) -> dict:
+        return await self._run(self.runner.cache_usage)
+
+
+@serve.deployment(name="Draft")
+class Draft(_ModelServer):
+    def __init__(self, config: dict | RunnerConfig):
+        super().__init__(config)
+        self.propose.set_max_batch_size(self.config.max_batch_size)
+        self.propose.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    async def propose(self, calls: list[DraftCall]) -> list[Proposal]:
+        return await self._run(run_draft, self.runner, calls)
+
+
+@serve.deployment(name="Target")
+class Target(_ModelServer):
+    def __init__(self, config: dict | RunnerConfig):
+        super().__init__(config)
+        self.score.set_max_batch_size(self.config.max_batch_size)
+        self.score.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    async def score(self, calls: list[ScoreCall]) -> list[Scores]:
+        return await self._run(run_target, self.runner, calls)

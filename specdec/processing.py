@@ -1,0 +1,522 @@
+"""Logits processing: raw logits -> the distribution a request samples from.
+
+One function, `process_logits`, serves the draft and the target alike, so that speculative
+sampling compares the distributions the request actually asks for (vLLM PR 10198).
+
+Order of operations (vLLM V1's `Sampler`, for one row whose history is prompt + output):
+
+ 1. logits in float32.
+ 2. allowed_token_ids: every other token -> -inf.
+ 3. bad_words: for each tokenized bad word, its last token -> -inf when its other tokens
+    equal the end of the *output* (vLLM matches against output tokens only, not the prompt).
+ 4. min_tokens: while len(output) < min_tokens, eos_token_ids and stop_token_ids -> -inf.
+    (vLLM bans the eos token here even with ignore_eos; `RequestSampling.eos_token_ids`
+    is what gets banned, so the caller decides.)
+ 5. logit_bias: added.
+ 6. penalties (vLLM / OpenAI definitions):
+    repetition: tokens in prompt + output: logit / r if logit > 0 else logit * r;
+    frequency: logit -= f * count in output; presence: logit -= p if in output.
+ 7. greedy rows (temperature < 1e-5): one-hot at the argmax of these logits; their
+    logprobs are log_softmax of these logits (temperature 1). Steps 8-11 skip them.
+ 8. temperature: logits / T.
+ 9. min_p: tokens with prob < min_p * max prob -> -inf.
+10. top_k: tokens below the k-th largest logit -> -inf (ties with the k-th are kept).
+11. top_p: keep the smallest set of most probable tokens whose mass reaches p (at least one
+    token). Deliberate difference from vLLM: tokens tied with the last kept token are kept
+    too (vLLM's cut depends on sort order among ties); with continuous logits the two agree.
+12. softmax -> probs; logprobs = log of the same distribution (-inf where probs are 0).
+
+Rows with raw=True skip everything: softmax(logits) (the pre-PR-10198 target behaviour,
+INCORRECT on purpose; kept for the benchmark).
+
+If a ban (steps 3-4) would leave a row with no possible token (e.g. allowed_token_ids holds
+only stop tokens and min_tokens is not reached), that ban is skipped for that row: the
+earlier constraint wins and generation can stop, where vLLM would sample from all -inf.
+
+Logits that are NaN or +inf, or -inf at every token a row allows, raise ValueError: the
+output never holds NaN.
+
+Implementation: temperature is applied first as a per-row scale (1/T, or 1 for greedy
+rows). Every step 2-6 commutes with a positive scale (biases and penalties are scaled with
+it), so the result is the order above. Steps 2-6 touch only the listed tokens (sparse index
+ops); min_p and top-k are one per-row threshold (together they equal vLLM's min_p, then
+top-k); top-p looks at the row's top 64 tokens (one topk, no sort of the vocabulary) and
+only rows whose kept set is larger go through a histogram of log-probabilities (a radix
+select). Rows with different parameters share every pass; no loop runs over the vocabulary.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from specdec.errors import RequestError
+from specdec.params import GREEDY_EPS, SamplingParams
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class RequestSampling:
+    """What processing needs from a request; fixed for the request's lifetime."""
+
+    params: SamplingParams
+    prompt_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...] = ()  # banned with stop_token_ids until min_tokens
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # tokenized bad_words
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        object.__setattr__(self, "bad_words_ids", tuple(tuple(w) for w in self.bad_words_ids))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One distribution to compute."""
+
+    request: RequestSampling
+    output_ids: Sequence[int]  # committed output + proposals before this position
+
+
+class Processed(NamedTuple):
+    probs: Tensor  # [R, V] float32, the distribution to sample from (one-hot for greedy)
+    logprobs: Tensor  # [R, V] float32, log of it (greedy: log_softmax at temperature 1)
+
+
+def speculative_rows(
+    request: RequestSampling, output_ids: Sequence[int], proposals: Sequence[int]
+) -> list[Row]:
+    """Rows for positions 0..K of a round: row i sees output_ids + proposals[:i]."""
+    base, props = tuple(output_ids), tuple(int(t) for t in proposals)
+    return [Row(request, base + props[:i]) for i in range(len(props) + 1)]
+
+
+def tokenize_bad_words(bad_words: Sequence[str], tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Token ids of each bad word, as vLLM does (`SamplingParams.update_from_tokenizer`):
+    the word as written (left-stripped), plus its form with a leading space when that is a
+    different token sequence of the same length (a word mid-text)."""
+    out: list[tuple[int, ...]] = []
+    for word in bad_words:
+        for prefix in ("", " "):
+            ids = tuple(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+            if not ids:
+                if not prefix:
+                    raise RequestError(
+                        f"bad_words entry {word!r} tokenizes to no token; remove it",
+                        param="bad_words",
+                    )
+                continue
+            if not prefix or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+    return tuple(out)
+
+
+def process_logits(
+    logits: Tensor, rows: Sequence[Row], raw: bool | Sequence[bool] = False
+) -> Processed:
+    """Processed probabilities and log-probabilities for each row of `logits` [R, V]."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        shape = tuple(logits.shape)
+        raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {shape}")
+    raw_mask = _raw_mask(raw, len(rows))
+    if not raw_mask.any():
+        return _process(logits, None, rows)
+    if raw_mask.all():
+        return _raw(logits)
+    raw_idx, proc_idx = raw_mask.nonzero().squeeze(1), (~raw_mask).nonzero().squeeze(1)
+    proc = _process(logits, proc_idx, [rows[i] for i in proc_idx.tolist()])
+    rw = _raw(logits[raw_idx])
+    probs = logits.new_empty(logits.shape, dtype=torch.float32)
+    logprobs = torch.empty_like(probs)
+    probs[proc_idx], logprobs[proc_idx] = proc.probs, proc.logprobs
+    probs[raw_idx], logprobs[raw_idx] = rw.probs, rw.logprobs
+    return Processed(probs, logprobs)
+
+
+# ---------------------------------------------------------------------------------------
+# Batch parameters
+
+
+def _raw_mask(raw: bool | Sequence[bool], n: int) -> Tensor:
+    if isinstance(raw, bool):
+        return torch.full((n,), raw, dtype=torch.bool)
+    mask = torch.as_tensor(list(raw), dtype=torch.bool)
+    if mask.shape != (n,):
+        raise ValueError(f"raw must be a bool or {n} bools, got {len(mask)}")
+    return mask
+
+
+def _raw(logits: Tensor) -> Processed:
+    x = logits.to(torch.float32)
+    _check_finite(x.amax(1))
+    logprobs = torch.log_softmax(x, dim=1)
+    return Processed(logprobs.exp(), logprobs)
+
+
+class _Batch:
+    """Rows grouped by request (rows of one request share its parameters and prompt), with
+    per-row parameter tensors."""
+
+    def __init__(self, rows: Sequence[Row], vocab: int, device: torch.device):
+        self.rows, self.vocab, self.device = rows, vocab, device
+        index: dict[int, int] = {}
+        self.requests: list[RequestSampling] = []
+        row_req: list[int] = []
+        for row in rows:
+            u = index.get(id(row.request))
+            if u is None:
+                u = index[id(row.request)] = len(self.requests)
+                self.requests.append(row.request)
+            row_req.append(u)
+        self.row_req = torch.tensor(row_req, dtype=torch.long, device=device)
+        lens = [len(r.output_ids) for r in rows]
+        self.out_lens = torch.tensor(lens, dtype=torch.long, device=device)
+        self._rows_of = None
+        for req in self.requests:
+            _check_vocab(req, vocab)
+
+    def rows_of(self, u: int) -> Tensor:
+        """Row indices of unique request u."""
+        if self._rows_of is None:
+            order = torch.argsort(self.row_req, stable=True)
+            counts = torch.bincount(self.row_req, minlength=len(self.requests)).tolist()
+            self._rows_of = list(torch.split(order, counts))
+        return self._rows_of[u]
+
+    def param(self, get, dtype=torch.float32) -> Tensor:
+        """Per-row tensor of get(params)."""
+        values = [get(r.params) for r in self.requests]
+        per_req = torch.tensor(values, dtype=dtype, device=self.device)
+        return per_req[self.row_req]
+
+    def pairs(self, wanted) -> tuple[Tensor, Tensor, list[int]]:
+        """(row, token) index pairs of wanted(request) -> token ids, over each request's
+        rows; also the request index of each pair's block, for per-request values."""
+        rs, ts, reqs = [], [], []
+        for u, req in enumerate(self.requests):
+            toks = wanted(req)
+            if not toks:
+                continue
+            rows = self.rows_of(u)
+            t = torch.as_tensor(toks, dtype=torch.long, device=self.device)
+            rs.append(rows.repeat_interleave(len(t)))
+            ts.append(t.repeat(len(rows)))
+            reqs.append(u)
+        if not rs:
+            empty = torch.empty(0, dtype=torch.long, device=self.device)
+            return empty, empty, []
+        return torch.cat(rs), torch.cat(ts), reqs
+
+    def output_pairs(self, row_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """(row, token) for every output token of the selected rows (with repeats)."""
+        sel = row_mask.nonzero().squeeze(1)
+        ids = list(itertools.chain.from_iterable(self.rows[i].output_ids for i in sel.tolist()))
+        toks = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return sel.repeat_interleave(self.out_lens[sel]), toks
+
+
+def _check_vocab(req: RequestSampling, vocab: int) -> None:
+    p = req.params
+    fields = {
+        "allowed_token_ids": p.allowed_token_ids or (),
+        "logit_bias": (p.logit_bias or {}).keys(),
+        "stop_token_ids": p.stop_token_ids,
+        "eos_token_ids": req.eos_token_ids,
+        "bad_words": itertools.chain.from_iterable(req.bad_words_ids),
+    }
+    for name, ids in fields.items():
+        ids = list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            raise RequestError(
+                f"{name} must be token ids in [0, {vocab}), got {bad[:5]}", param=name
+            )
+
+
+def _check_finite(row_max: Tensor) -> None:
+    bad = ~torch.isfinite(row_max)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"logits row {i} has no finite maximum ({float(row_max[i])}): the model produced "
+            "NaN/inf, or -inf at every token the request allows"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# The pipeline
+
+
+def _process(logits: Tensor, idx: Tensor | None, rows: Sequence[Row]) -> Processed:
+    vocab = logits.shape[1]
+    b = _Batch(rows, vocab, logits.device)
+    temperature = b.param(lambda p: p.temperature)
+    greedy = temperature < GREEDY_EPS
+    scale = torch.where(greedy, 1.0, 1.0 / temperature.clamp(min=GREEDY_EPS))
+    z = _scaled_copy(logits, idx, scale)
+
+    _mask_allowed(z, b)
+    _ban(z, *_bad_word_pairs(b))
+    _ban(z, *_min_tokens_pairs(b))
+    _add_logit_bias(z, b, scale)
+    _apply_penalties(z, b, scale)
+
+    row_max, argmax = z.max(dim=1)
+    _check_finite(row_max)
+    _filter_min_p_top_k(z, b, greedy, row_max)
+    probs = torch.sub(z, row_max.unsqueeze(1)).exp_()
+    total = probs.sum(dim=1)
+    total = _filter_top_p(z, probs, total, b, greedy, row_max)
+    logprobs = z.sub_((row_max + total.log()).unsqueeze(1))
+    probs.div_(total.unsqueeze(1))
+    if greedy.any():
+        g = greedy.nonzero().squeeze(1)
+        probs.index_fill_(0, g, 0.0)
+        probs[g, argmax[g]] = 1.0
+    return Processed(probs, logprobs)
+
+
+def _scaled_copy(logits: Tensor, idx: Tensor | None, scale: Tensor) -> Tensor:
+    """float32 copy of the selected rows times the per-row scale, in one pass if possible."""
+    x = logits if idx is None else logits[idx]
+    if x.dtype == torch.float32 and x is logits:
+        return x * scale.unsqueeze(1)
+    return x.to(torch.float32).mul_(scale.unsqueeze(1))
+
+
+def _mask_allowed(z: Tensor, b: _Batch) -> None:
+    r, t, _ = b.pairs(lambda req: req.params.allowed_token_ids)
+    if not len(r):
+        return
+    keep = torch.zeros_like(z, dtype=torch.bool)
+    keep[r, t] = True
+    restricted = torch.zeros(z.shape[0], dtype=torch.bool, device=z.device)
+    restricted[r] = True
+    z.masked_fill_(restricted.unsqueeze(1) & ~keep, NEG_INF)
+
+
+def _bad_word_pairs(b: _Batch) -> tuple[Tensor, Tensor]:
+    """(row, token) to ban: the last token of each bad word whose other tokens end the
+    row's output. A Python loop, but only over rows of requests that have bad words."""
+    rs: list[int] = []
+    ts: list[int] = []
+    for u, req in enumerate(b.requests):
+        if not req.bad_words_ids:
+            continue
+        for i in b.rows_of(u).tolist():
+            out = b.rows[i].output_ids
+            for word in req.bad_words_ids:
+                k = len(word) - 1
+                if k <= len(out) and tuple(out[len(out) - k :]) == word[:-1]:
+                    rs.append(i)
+                    ts.append(word[-1])
+    return _long(rs, b.device), _long(ts, b.device)
+
+
+def _min_tokens_pairs(b: _Batch) -> tuple[Tensor, Tensor]:
+    def stops(req: RequestSampling):
+        if not req.params.min_tokens:
+            return None
+        return list(req.params.stop_token_ids) + list(req.eos_token_ids)
+
+    r, t, _ = b.pairs(stops)
+    if not len(r):
+        return r, t
+    short = b.out_lens[r] < b.param(lambda p: p.min_tokens, torch.long)[r]
+    return r[short], t[short]
+
+
+def _ban(z: Tensor, r: Tensor, t: Tensor) -> None:
+    """Set z[r, t] = -inf, except in rows where that would leave no finite logit."""
+    if not len(r):
+        return
+    saved = z[r, t]
+    z[r, t] = NEG_INF
+    rows = torch.unique(r)
+    dead = rows[~(z[rows] > NEG_INF).any(dim=1)]
+    if len(dead):
+        undo = torch.isin(r, dead)
+        z[r[undo], t[undo]] = saved[undo]
+
+
+def _add_logit_bias(z: Tensor, b: _Batch, scale: Tensor) -> None:
+    r, t, reqs = b.pairs(lambda req: list(req.params.logit_bias or ()))
+    if not len(r):
+        return
+    per_req = [
+        torch.tensor(list(b.requests[u].params.logit_bias.values()), dtype=torch.float32).repeat(
+            len(b.rows_of(u))
+        )
+        for u in reqs
+    ]
+    bias = torch.cat(per_req).to(z.device)
+    z.index_put_((r, t), bias * scale[r], accumulate=True)
+
+
+def _apply_penalties(z: Tensor, b: _Batch, scale: Tensor) -> None:
+    rep = b.param(lambda p: p.repetition_penalty)
+    freq = b.param(lambda p: p.frequency_penalty) * scale
+    pres = b.param(lambda p: p.presence_penalty) * scale
+    if (rep != 1).any():
+        _repetition(z, b, rep)
+    counted = (freq != 0) | (pres != 0)
+    if not counted.any():
+        return
+    r, t = b.output_pairs(counted)
+    if not len(r):
+        return
+    z.index_put_((r, t), -freq[r], accumulate=True)  # once per occurrence: f * count
+    r, t = _unique_pairs(r, t, z.shape[1])
+    z.index_put_((r, t), -pres[r], accumulate=True)
+
+
+def _repetition(z: Tensor, b: _Batch, rep: Tensor) -> None:
+    """Tokens seen in prompt or output: positive logits / r, others * r (sign-preserving,
+    so it commutes with the temperature scale)."""
+
+    def prompt(req):
+        return sorted(set(req.prompt_ids)) if req.params.repetition_penalty != 1 else None
+
+    pr, pt, _ = b.pairs(prompt)
+    orr, ot = b.output_pairs(rep != 1)
+    r, t = _unique_pairs(torch.cat([pr, orr]), torch.cat([pt, ot]), z.shape[1])
+    vals, pen = z[r, t], rep[r]
+    z[r, t] = torch.where(vals > 0, vals / pen, vals * pen)
+
+
+def _filter_min_p_top_k(z: Tensor, b: _Batch, greedy: Tensor, row_max: Tensor) -> None:
+    """One threshold per row: max(min_p cut, k-th largest). Applying both thresholds to the
+    same logits equals vLLM's min_p followed by top-k on the min_p-masked logits."""
+    vocab = z.shape[1]
+    min_p = b.param(lambda p: p.min_p).masked_fill(greedy, 0.0)
+    top_k = b.param(lambda p: p.top_k, torch.long)
+    use_k = (top_k > 0) & (top_k < vocab) & ~greedy
+    if not (min_p > 0).any() and not use_k.any():
+        return
+    threshold = row_max + torch.log(min_p)  # log 0 = -inf: no cut
+    if use_k.any():
+        k_rows = use_k.nonzero().squeeze(1)
+        k = top_k[k_rows]
+        top = _take(z, k_rows).topk(int(k.max()), dim=1).values
+        kth = top.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
+        threshold[k_rows] = torch.maximum(threshold[k_rows], kth)
+    z.masked_fill_(z < threshold.unsqueeze(1), NEG_INF)
+
+
+def _filter_top_p(
+    z: Tensor, probs: Tensor, total: Tensor, b: _Batch, greedy: Tensor, row_max: Tensor
+) -> Tensor:
+    """Keep the smallest set of most probable tokens whose mass reaches p (plus ties).
+
+    `probs` holds unnormalised exp(z - max) with row sums `total`; returns the new sums.
+    Most rows of a language model reach p within their top TOP_P_WINDOW tokens: one topk,
+    no sort of the vocabulary. The other rows find their cut by a histogram (radix select).
+    """
+    top_p = b.param(lambda p: p.top_p).masked_fill(greedy, 1.0)
+    rows = (top_p < 1).nonzero().squeeze(1)
+    if not len(rows):
+        return total
+    total = total.clone()
+    target = top_p[rows].double() * total[rows].double()
+    window = min(TOP_P_WINDOW, z.shape[1])
+    vals, idx = _take(probs, rows).topk(window, dim=1)
+    cum = vals.double().cumsum(dim=1)
+    last = (cum < target.unsqueeze(1)).sum(dim=1).clamp(max=window - 1)
+    threshold = vals.gather(1, last.unsqueeze(1)).squeeze(1)
+    # The window holds the whole kept set, ties included, unless the cut is its last value.
+    fast = (cum[:, -1] >= target) & (threshold > vals[:, -1]) | (window == z.shape[1])
+    if fast.any():
+        f = fast.nonzero().squeeze(1)
+        keep = vals[f] >= threshold[f].unsqueeze(1)
+        local, col = keep.nonzero(as_tuple=True)
+        kr, kt = rows[f][local], idx[f][local, col]
+        kept_z, kept_p = z[kr, kt], probs[kr, kt]
+        z.index_fill_(0, rows[f], NEG_INF)
+        probs.index_fill_(0, rows[f], 0.0)
+        z[kr, kt], probs[kr, kt] = kept_z, kept_p
+        kept_mass = torch.zeros(len(f), dtype=torch.float64, device=z.device)
+        total[rows[f]] = kept_mass.index_add_(0, local, kept_p.double()).float()
+    if not fast.all():
+        s = (~fast).nonzero().squeeze(1)
+        _top_p_by_histogram(z, probs, total, rows[s], target[s], top_p[rows[s]], row_max)
+    return total
+
+
+TOP_P_WINDOW = 64
+BUCKETS = 1024
+
+
+def _top_p_by_histogram(
+    z: Tensor,
+    probs: Tensor,
+    total: Tensor,
+    rows: Tensor,
+    target: Tensor,
+    p: Tensor,
+    row_max: Tensor,
+) -> None:
+    """Top-p for rows whose kept set is large (flat distributions). Tokens are bucketed by
+    log-probability between the row maximum and (1 - p) / V of the row's mass (all tokens
+    below that hold less than 1 - p together, so the cut lies above it); only the bucket
+    where the cumulative mass reaches the target is sorted."""
+    pr, zr = _take(probs, rows), _take(z, rows)
+    cut = (1 - p.double()) / z.shape[1] * total[rows].double()
+    per_unit = (BUCKETS / -torch.log(cut)).float().unsqueeze(1)
+    depth = (row_max[rows].unsqueeze(1) - zr).mul_(per_unit)  # -log(prob / max prob) scaled
+    bucket = depth.clamp_(max=BUCKETS).long()  # BUCKETS: below the cut, never kept
+    mass = torch.zeros(len(rows), BUCKETS + 1, device=z.device).scatter_add_(1, bucket, pr)
+    cum = mass.double().cumsum(dim=1)
+    j = (cum < target.unsqueeze(1)).sum(dim=1).clamp(max=BUCKETS - 1)
+    above = torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    r, t = (bucket == j.unsqueeze(1)).nonzero(as_tuple=True)
+    threshold = _sorted_threshold(pr[r, t], r, len(rows), target - above)
+    drop = pr < threshold.unsqueeze(1)
+    zr.masked_fill_(drop, NEG_INF)
+    pr.masked_fill_(drop, 0.0)
+    if pr is not probs:
+        z[rows], probs[rows] = zr, pr
+    total[rows] = pr.sum(dim=1)
+
+
+def _sorted_threshold(vals: Tensor, row: Tensor, n: int, target: Tensor) -> Tensor:
+    """Per row, the value at which the descending cumulative sum of `vals` (grouped by
+    ascending `row`) first reaches `target`. A row that misses the target by rounding lands
+    on the zero padding: it keeps everything."""
+    desc = _pad_by_row(vals, row, n).sort(dim=1, descending=True).values
+    reached = desc.double().cumsum(dim=1) < target.unsqueeze(1)
+    last = reached.sum(dim=1).clamp(max=desc.shape[1] - 1)
+    return desc.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+# ---------------------------------------------------------------------------------------
+# Small tensor helpers
+
+
+def _take(x: Tensor, rows: Tensor) -> Tensor:
+    """x[rows], without a copy when rows are all of x's rows (in order)."""
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
+def _long(values: list[int], device) -> Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _unique_pairs(r: Tensor, t: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    key = torch.unique(r * vocab + t)
+    return key // vocab, key % vocab
+
+
+def _pad_by_row(vals: Tensor, row: Tensor, n: int) -> Tensor:
+    """Scatter values (grouped by ascending row) into an [n, max count] zero-padded tensor."""
+    counts = torch.bincount(row, minlength=n)
+    width = max(int(counts.max()) if len(counts) else 0, 1)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(len(row), device=row.device) - starts[row]
+    out = torch.zeros(n, width, dtype=vals.dtype, device=vals.device)
+    out[row, pos] = vals
+    return out

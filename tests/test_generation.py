@@ -1,0 +1,154 @@
+"""The request loop in-process (LocalEngine: the deployments' batched rounds without Ray),
+on the tiny random-weight pair in float32."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from scipy import stats
+from transformers import AutoModelForCausalLM
+
+from specdec.errors import ContextLengthError, RequestError
+from specdec.local import LocalEngine
+from specdec.processing import RequestSampling, Row, process_logits
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    draft_dir, target_dir = tiny_pair
+    return LocalEngine(draft_dir, target_dir, num_speculative_tokens=3, dtype="float32")
+
+
+def run(engine, **params):
+    prompt = params.pop("prompt", PROMPT)
+    return engine.generate([{"prompt": prompt, "sampling_params": params}])[0]
+
+
+def test_greedy_equals_target_only_and_transformers(engine, tiny_pair):
+    speculative = run(engine, temperature=0, max_tokens=24, ignore_eos=True)
+    target_only = run(engine, temperature=0, max_tokens=24, ignore_eos=True, num_speculative_tokens=0)
+    assert speculative.token_ids == target_only.token_ids
+    assert speculative.speculation.proposed > 0
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.float32)
+    ids = engine.info.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    reference = model.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    assert speculative.token_ids == reference[0, ids.shape[1] :].tolist()
+
+
+def test_seeded_output_is_reproducible_and_batch_independent(engine):
+    params = dict(temperature=0.8, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = run(engine, **params)
+    again = run(engine, **params)
+    others = [
+        {"prompt": "x" * (i + 1), "sampling_params": {"temperature": 1.0, "max_tokens": 5 + i}}
+        for i in range(8)
+    ]
+    crowded = engine.generate(others[:4] + [{"prompt": PROMPT, "sampling_params": params}] + others[4:])
+    assert alone.token_ids == again.token_ids == crowded[4].token_ids
+    assert alone.seed == 1234
+
+
+def test_effective_seed_reproduces_an_unseeded_request(engine):
+    first = run(engine, temperature=1.0, max_tokens=12, ignore_eos=True)
+    replay = run(engine, temperature=1.0, max_tokens=12, ignore_eos=True, seed=first.seed)
+    assert replay.token_ids == first.token_ids
+
+
+def test_max_tokens_and_stop_conditions(engine):
+    base = run(engine, temperature=0, max_tokens=20, ignore_eos=True)
+    assert base.finish_reason == "length" and len(base.token_ids) == 20
+
+    # stop_token_ids: ends at the first occurrence; the token id stays, its text does not.
+    stop_token = base.token_ids[5]
+    first = base.token_ids.index(stop_token)
+    stopped = run(engine, temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token])
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_token
+    assert stopped.token_ids == base.token_ids[: first + 1]
+    assert stopped.text == engine.info.tokenizer.decode(base.token_ids[:first], skip_special_tokens=True)
+
+    # A stop string: nothing past it, and it is included only when asked.
+    stop = base.text[len(base.text) // 2 : len(base.text) // 2 + 3]
+    cut = base.text.index(stop)
+    by_string = run(engine, temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", stop)
+    assert by_string.text == base.text[:cut]
+    kept = run(engine, temperature=0, max_tokens=20, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    assert kept.text == base.text[: cut + len(stop)]
+
+
+def test_min_tokens_holds_back_stop_tokens_and_eos(engine):
+    base = run(engine, temperature=0, max_tokens=12, ignore_eos=True)
+    stop_token = base.token_ids[0]
+    early = run(engine, temperature=0, max_tokens=12, stop_token_ids=[stop_token])
+    assert len(early.token_ids) == 1
+    held = run(engine, temperature=0, max_tokens=12, stop_token_ids=[stop_token], min_tokens=6)
+    assert len(held.token_ids) >= 6
+    assert stop_token not in held.token_ids[:5]
+
+
+def test_eos_ends_with_stop(engine):
+    eos = engine.info.eos_token_ids[0]
+    # Bias EOS up so it is the greedy choice at once.
+    out = run(engine, temperature=0, max_tokens=10, logit_bias={eos: 100.0})
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.text == ""
+    ignored = run(engine, temperature=0, max_tokens=4, logit_bias={eos: 100.0}, ignore_eos=True)
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 4
+
+
+def test_bad_input_is_refused_clearly(engine):
+    with pytest.raises(ContextLengthError, match="maximum context length"):
+        run(engine, prompt="word " * 10, max_tokens=engine.info.max_context)
+    with pytest.raises(ValidationError, match="top_p"):
+        run(engine, top_p=1.5)
+    with pytest.raises(RequestError, match="allowed_token_ids"):
+        run(engine, allowed_token_ids=[engine.info.vocab_size + 5])
+
+
+def exact_target_distribution(engine, prompt_ids, params, allowed):
+    """P(x1, x2) of direct sampling from the processed target, by enumeration."""
+    sampling = RequestSampling(params=params, prompt_ids=tuple(prompt_ids))
+    logits = engine.target.extend([("exact", list(prompt_ids), 1)])[0]
+    p1 = process_logits(logits, [Row(sampling, [])]).probs[0]
+    items = [(f"exact{a}", list(prompt_ids) + [a], 1) for a in allowed]
+    second = torch.cat(engine.target.extend(items))
+    p2 = process_logits(second, [Row(sampling, [a]) for a in allowed]).probs
+    for a in allowed:
+        engine.target.release(f"exact{a}")
+    engine.target.release("exact")
+    return {(a, b): float(p1[a] * p2[i, b]) for i, a in enumerate(allowed) for b in allowed}
+
+
+@pytest.mark.parametrize("mode", ["processed", "raw"])
+def test_speculative_token_frequencies_match_target(engine, mode):
+    """20,000 two-token samples through the batched rounds vs the exact target
+    distribution; the pre-PR-10198 "raw" target must be caught."""
+    allowed = [15, 16, 17, 18, 19]  # a few tokens keep the enumeration cheap
+    params = dict(temperature=0.6, top_p=0.9, repetition_penalty=1.3, allowed_token_ids=allowed,
+                  max_tokens=2, ignore_eos=True, num_speculative_tokens=2, target_probs=mode)
+    requests = [{"prompt": PROMPT, "sampling_params": params | {"seed": s}} for s in range(20_000)]
+    results = engine.generate(requests)
+    counts = {}
+    for r in results:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+
+    prompt_ids = engine.info.tokenizer(PROMPT)["input_ids"]
+    from specdec.params import SamplingParams
+
+    truth = exact_target_distribution(engine, prompt_ids, SamplingParams(**params), allowed)
+    cells = [c for c in itertools.product(allowed, allowed) if truth[c] * len(results) >= 5]
+    observed = np.array([counts.get(c, 0) for c in cells] + [len(results) - sum(counts.get(c, 0) for c in cells)])
+    expected = np.array([truth[c] * len(results) for c in cells] + [len(results) * (1 - sum(truth[c] for c in cells))])
+    keep = expected > 0
+    chi2, p_value = stats.chisquare(observed[keep], expected[keep] * observed[keep].sum() / expected[keep].sum())
+    print(f"mode={mode} chi2={chi2:.1f} cells={keep.sum()} p={p_value:.3g}")
+    if mode == "processed":
+        assert p_value > 1e-4
+    else:
+        assert p_value < 1e-6
