@@ -98,6 +98,7 @@ class LocalCluster:
         self.address = cluster.address
         self.session_dir = cluster.head_node.get_session_dir_path()
         self._config_path = config_path
+        print(f"SESSION {self.session_dir}", flush=True)  # lets a supervisor clean up after a kill
 
     def __enter__(self):
         return self
@@ -203,17 +204,22 @@ def fake_autoscaling(head_resources: dict, worker_node_types: dict, *, idle_time
 # ---- Serve observations ------------------------------------------------------------------------
 
 
-def replica_counts(app: str) -> dict[str, int]:
-    """{deployment: number of RUNNING replicas} from serve.status()."""
+def replica_states(app: str) -> dict[str, dict[str, int]]:
+    """{deployment: {replica state: count}} from serve.status() (RUNNING, STARTING, ...)."""
     from ray import serve
 
     status = serve.status().applications.get(app)
     if status is None:
         return {}
     return {
-        name: dep.replica_states.get("RUNNING", 0)
+        name: {str(getattr(state, "value", state)): n for state, n in dep.replica_states.items()}
         for name, dep in status.deployments.items()
     }
+
+
+def replica_counts(app: str) -> dict[str, int]:
+    """{deployment: number of RUNNING replicas} from serve.status()."""
+    return {name: states.get("RUNNING", 0) for name, states in replica_states(app).items()}
 
 
 def alive_nodes() -> list[dict]:
@@ -282,3 +288,40 @@ def deploy(app: dict, *, http_port: int, timeout_s: float = 150.0):
             raise RuntimeError(f"deploy failed: {status.message}")
         time.sleep(1)
     raise TimeoutError(f"application not RUNNING after {timeout_s:.0f} s: {status}")
+
+
+# ---- running a scenario in its own process -----------------------------------------------------
+
+
+def run_scenario(module: str, pair, *, timeout_s: float, args: tuple[str, ...] = ()) -> dict:
+    """Runs `python -m <module> --draft D --target T` in a subprocess (its own Ray cluster,
+    apart from any Ray this process has), echoes its log lines, and returns the payload
+    of its `RESULT` line. Fails with the output's tail when it exits non-zero or times out."""
+    import subprocess
+
+    draft_dir, target_dir = pair
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.pop("RAY_ADDRESS", None)  # never join somebody else's cluster
+    command = [sys.executable, "-m", module, "--draft", str(draft_dir), "--target", str(target_dir), *args]
+    # Its own process group: on a timeout everything it started goes, and nothing else.
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        sessions = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("SESSION ")]
+        for session in sessions:  # Ray processes that left the group (daemonised nodes)
+            _kill(_session_processes(session), grace_s=2)
+        raise AssertionError(f"{module} did not finish in {timeout_s:.0f} s:\n{out[-6000:]}") from None
+    lines = out.splitlines()
+    for line in lines:
+        if line.startswith("[") and line[1:3].isdigit():  # its own timestamped log lines
+            print(line)
+    results = [line[len("RESULT "):] for line in lines if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not results:
+        raise AssertionError(f"{module} exited {proc.returncode}:\n{out[-8000:]}")
+    return json.loads(results[-1])

@@ -19,6 +19,12 @@ class AppConfig(BaseModel):
     cache_dir: str | None = None  # where the default pair is converted; None = ~/.cache/specdec
     draft: RunnerConfig = RunnerConfig(model="default-draft")
     target: RunnerConfig = RunnerConfig(model="default-target")
+    # Serve deployment options (num_replicas, autoscaling_config, ray_actor_options, ...) for
+    # Python callers of build_app; a Serve config file sets these in its `deployments:` list.
+    coordinator_options: dict = {}
+    draft_options: dict = {}
+    target_options: dict = {}
+    draft_retry_timeout_s: float = 30.0
 
 
 def build_app(args: dict | None = None) -> Application:
@@ -31,9 +37,10 @@ def build_app(args: dict | None = None) -> Application:
         target_model=config.target.model,
         cache_dir=config.cache_dir,
         num_speculative_tokens=config.num_speculative_tokens,
+        draft_retry_timeout_s=config.draft_retry_timeout_s,
     )
-    return Coordinator.bind(
-        Draft.bind(draft_cfg.model_dump()),
-        Target.bind(target_cfg.model_dump()),
+    return Coordinator.options(**config.coordinator_options).bind(
+        Draft.options(**config.draft_options).bind(draft_cfg.model_dump()),
+        Target.options(**config.target_options).bind(target_cfg.model_dump()),
         coordinator_cfg.model_dump(),
     )

@@ -47,8 +47,12 @@ class CoordinatorConfig(BaseModel):
     target_model: str = "default-target"
     cache_dir: str | None = None
     num_speculative_tokens: int = 4  # default K; a request may set its own (0 = target-only)
-    draft_retries: int = 2  # then the round runs target-only
-    target_retries: int = 5
+    # A lost draft replica: standard-mode requests retry (another replica, or the
+    # replacement Serve starts) for up to this long, then run target-only rounds; that keeps
+    # a seeded text unchanged whenever a replica is back in time. Drafter-invariant requests
+    # go target-only at once: their text does not depend on the draft at all.
+    draft_retry_timeout_s: float = 30.0
+    target_retry_timeout_s: float = 120.0
     retry_backoff_s: float = 0.5
 
 
@@ -82,7 +86,8 @@ class Coordinator:
             )
         except Exception as error:  # template errors are the caller's messages' fault
             raise RequestError(f"messages could not be formatted: {error}", param="messages")
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        # transformers 5 returns a BatchEncoding here; older versions a plain list.
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     # ---- the Python handle API ----------------------------------------------------------
 
@@ -132,23 +137,27 @@ class Coordinator:
         )
 
     async def _propose(self, call: DraftCall) -> Proposal:
-        for attempt in range(self.config.draft_retries + 1):
-            try:
-                return await self.draft.propose.remote(call)
-            except REPLICA_LOST as error:
-                logger.warning("draft call failed (attempt %d): %s", attempt + 1, error)
-                await asyncio.sleep(self.config.retry_backoff_s)
-        logger.warning("no draft replica answered; request %s runs a target-only round", call.request_id)
-        return Proposal(tokens=[], probs=None)
+        patience = 0.0 if call.sampling.params.drafter_invariant else self.config.draft_retry_timeout_s
+        try:
+            return await self._with_retries(self.draft.propose, call, patience)
+        except REPLICA_LOST:
+            logger.warning("no draft replica answered; request %s runs target-only", call.request_id)
+            return Proposal(tokens=[], probs=None)
 
     async def _score(self, call: ScoreCall) -> Scores:
-        for attempt in range(self.config.target_retries):
+        return await self._with_retries(self.target.score, call, self.config.target_retry_timeout_s)
+
+    async def _with_retries(self, method, call, patience_s: float):
+        """Call until a replica answers; the replica that does re-prefills if it must."""
+        deadline = time.monotonic() + patience_s
+        while True:
             try:
-                return await self.target.score.remote(call)
+                return await method.remote(call)
             except REPLICA_LOST as error:
-                logger.warning("target call failed (attempt %d): %s", attempt + 1, error)
-                await asyncio.sleep(self.config.retry_backoff_s * (attempt + 1))
-        return await self.target.score.remote(call)
+                if time.monotonic() + self.config.retry_backoff_s > deadline:
+                    raise
+                logger.warning("%s lost a replica, retrying: %s", method, error)
+                await asyncio.sleep(self.config.retry_backoff_s)
 
 
 def _as_request(request, sampling_params) -> GenerateRequest:

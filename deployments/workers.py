@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -53,6 +54,7 @@ class _ModelServer:
             max_cache_tokens=self.config.max_cache_tokens,
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._released: OrderedDict[str, None] = OrderedDict()  # recently finished requests
         logger.info(
             "%s loaded %s on %s with %d threads",
             type(self).__name__, path, self.config.device, torch.get_num_threads(),
@@ -63,7 +65,19 @@ class _ModelServer:
 
     async def release(self, request_id: str) -> None:
         """Drop a finished request's cache (best effort: LRU eviction covers the rest)."""
+        self._released[request_id] = None
+        while len(self._released) > 10_000:
+            self._released.popitem(last=False)
         await self._run(self.runner.release, request_id)
+
+    def _batch(self, fn, calls):
+        """Run a batch on the model thread. A cancelled request's call can still be
+        queued in a batch after its release arrived; drop what such calls cached."""
+        results = fn(self.runner, calls)
+        for call in calls:
+            if call.request_id in self._released:
+                self.runner.release(call.request_id)
+        return results
 
     async def cache_usage(self) -> dict:
         return await self._run(self.runner.cache_usage)
@@ -78,7 +92,7 @@ class Draft(_ModelServer):
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
     async def propose(self, calls: list[DraftCall]) -> list[Proposal]:
-        return await self._run(run_draft, self.runner, calls)
+        return await self._run(self._batch, run_draft, calls)
 
 
 @serve.deployment(name="Target")
@@ -90,4 +104,4 @@ class Target(_ModelServer):
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
     async def score(self, calls: list[ScoreCall]) -> list[Scores]:
-        return await self._run(run_target, self.runner, calls)
+        return await self._run(self._batch, run_target, calls)

@@ -28,6 +28,7 @@ from specdec.rejection import rejection_sample
 
 B, K, V = 16, 4, 151_936
 PROMPT_LEN, OUTPUT_LEN = 200, 100
+STAGES = ("draft 4x(process+sample 16)", "target process 16x5", "rejection_sample", "total")
 
 CONFIGS = {
     "T=0.6 top_p=0.9 rep=1.1": dict(temperature=0.6, top_p=0.9, repetition_penalty=1.1),
@@ -72,12 +73,10 @@ def one_round(reqs, outputs, draft_logits, target_logits, seeds, positions, inv,
     t2 = time.perf_counter()
     res = rejection_sample(torch.tensor(proposals), torch.full((B,), K),
                            None if bool(inv.all()) else torch.stack(q_steps, 1),
-                           p, seeds, positions, inv)  # fmt: skip
+                           p, seeds, positions, inv)
     t3 = time.perf_counter()
-    times["draft: process+sample 4x16"].append(t1 - t0)
-    times["target: process 16x5"].append(t2 - t1)
-    times["rejection_sample 16x4"].append(t3 - t2)
-    times["total"].append(t3 - t0)
+    for stage, dt in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+        times[stage].append(dt)
     return res
 
 
@@ -89,21 +88,21 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"B={B} K={K} V={V} torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats} rounds (ms)")  # fmt: skip
+          f"median of {args.repeats} rounds (ms)")
     gen = torch.Generator().manual_seed(0)
     draft_logits = [lm_like_logits(B, gen) for _ in range(K)]
     target_logits = lm_like_logits(B * (K + 1), gen)
     seeds, positions = torch.arange(B) * 7919 + 1, torch.full((B,), OUTPUT_LEN)
+    print(f"{'':<44}" + "".join(f"{stage:>30}" for stage in STAGES))
     for name, params in CONFIGS.items():
         reqs, outputs = make_requests(params, gen)
         inv = torch.full((B,), bool(params.get("drafter_invariant", False)))
-        times: dict[str, list[float]] = {k: [] for k in (
-            "draft: process+sample 4x16", "target: process 16x5", "rejection_sample 16x4", "total")}  # fmt: skip
-        one_round(reqs, outputs, draft_logits, target_logits, seeds, positions, inv, {k: [] for k in times})
-        for _ in range(args.repeats):
-            one_round(reqs, outputs, draft_logits, target_logits, seeds, positions, inv, times)
-        cells = "  ".join(f"{k} {statistics.median(v) * 1e3:7.1f}" for k, v in times.items())
-        print(f"{name:<44} {cells}")
+        times: dict[str, list[float]] = {stage: [] for stage in STAGES}
+        for i in range(args.repeats + 1):  # the first round is a warm-up
+            one_round(reqs, outputs, draft_logits, target_logits, seeds, positions, inv,
+                      times if i else {stage: [] for stage in STAGES})
+        print(f"{name:<44}" + "".join(f"{statistics.median(times[st]) * 1e3:>30.1f}"
+                                      for st in STAGES))
 
 
 if __name__ == "__main__":

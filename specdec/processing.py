@@ -36,13 +36,12 @@ earlier constraint wins and generation can stop, where vLLM would sample from al
 Logits that are NaN or +inf, or -inf at every token a row allows, raise ValueError: the
 output never holds NaN.
 
-Implementation: temperature is applied first as a per-row scale (1/T, or 1 for greedy
-rows). Every step 2-6 commutes with a positive scale (biases and penalties are scaled with
-it), so the result is the order above. Steps 2-6 touch only the listed tokens (sparse index
-ops); min_p and top-k are one per-row threshold (together they equal vLLM's min_p, then
-top-k); top-p looks at the row's top 64 tokens (one topk, no sort of the vocabulary) and
-only rows whose kept set is larger go through a histogram of log-probabilities (a radix
-select). Rows with different parameters share every pass; no loop runs over the vocabulary.
+Implementation: the arithmetic is vLLM's, in its order (so ties that penalties create
+stay ties). Steps 2-6 touch only the listed tokens (sparse index ops); min_p and top-k are
+one per-row cut (together equal to vLLM's min_p, then top-k); top-p looks at the row's top
+64 tokens (one topk shared with top-k, no sort of the vocabulary) and only rows whose kept
+set is larger go through a histogram of log-probabilities (a radix select). Rows with
+different parameters share every pass; no loop runs over the vocabulary.
 """
 
 from __future__ import annotations
@@ -145,7 +144,7 @@ def process_logits(
 def _raw_mask(raw: bool | Sequence[bool], n: int) -> Tensor:
     if isinstance(raw, bool):
         return torch.full((n,), raw, dtype=torch.bool)
-    mask = torch.as_tensor(list(raw), dtype=torch.bool)
+    mask = torch.as_tensor(raw if isinstance(raw, Tensor) else list(raw), dtype=torch.bool)
     if mask.shape != (n,):
         raise ValueError(f"raw must be a bool or {n} bools, got {len(mask)}")
     return mask
@@ -253,40 +252,61 @@ def _check_finite(row_max: Tensor) -> None:
 
 
 def _process(logits: Tensor, idx: Tensor | None, rows: Sequence[Row]) -> Processed:
-    vocab = logits.shape[1]
-    b = _Batch(rows, vocab, logits.device)
-    temperature = b.param(lambda p: p.temperature)
-    greedy = temperature < GREEDY_EPS
-    scale = torch.where(greedy, 1.0, 1.0 / temperature.clamp(min=GREEDY_EPS))
-    z = _scaled_copy(logits, idx, scale)
-
+    b = _Batch(rows, logits.shape[1], logits.device)
+    z = _float_copy(logits, idx)
     _mask_allowed(z, b)
     _ban(z, *_bad_word_pairs(b))
     _ban(z, *_min_tokens_pairs(b))
-    _add_logit_bias(z, b, scale)
-    _apply_penalties(z, b, scale)
-
-    row_max, argmax = z.max(dim=1)
+    _add_logit_bias(z, b)
+    _apply_penalties(z, b)
+    row_max = z.amax(dim=1)
     _check_finite(row_max)
-    _filter_min_p_top_k(z, b, greedy, row_max)
-    probs = torch.sub(z, row_max.unsqueeze(1)).exp_()
-    total = probs.sum(dim=1)
-    total = _filter_top_p(z, probs, total, b, greedy, row_max)
+
+    temperature = b.param(lambda p: p.temperature)
+    greedy = temperature < GREEDY_EPS
+    g = greedy.nonzero().squeeze(1)
+    greedy_tokens = _take(z, g).argmax(dim=1) if len(g) else None  # of the penalised logits
+    if not (temperature == 1).all():
+        divisor = temperature.masked_fill(greedy, 1.0)  # greedy logprobs: temperature 1
+        z.div_(divisor.unsqueeze(1))
+        row_max = row_max / divisor  # division is monotonic: still each row's max
+    probs, total = _filter(z, b, greedy, row_max)
+
     logprobs = z.sub_((row_max + total.log()).unsqueeze(1))
     probs.div_(total.unsqueeze(1))
-    if greedy.any():
-        g = greedy.nonzero().squeeze(1)
+    if greedy_tokens is not None:
         probs.index_fill_(0, g, 0.0)
-        probs[g, argmax[g]] = 1.0
+        probs[g, greedy_tokens] = 1.0
     return Processed(probs, logprobs)
 
 
-def _scaled_copy(logits: Tensor, idx: Tensor | None, scale: Tensor) -> Tensor:
-    """float32 copy of the selected rows times the per-row scale, in one pass if possible."""
-    x = logits if idx is None else logits[idx]
-    if x.dtype == torch.float32 and x is logits:
-        return x * scale.unsqueeze(1)
-    return x.to(torch.float32).mul_(scale.unsqueeze(1))
+def _filter(z: Tensor, b: _Batch, greedy: Tensor, row_max: Tensor) -> tuple[Tensor, Tensor]:
+    """min_p, top-k, top-p on the tempered logits `z` (in place). Returns the unnormalised
+    probabilities exp(z - max) of what is kept, and their row sums."""
+    vocab = z.shape[1]
+    min_p = b.param(lambda p: p.min_p).masked_fill(greedy, 0.0)
+    top_k = b.param(lambda p: p.top_k, torch.long)
+    top_p = b.param(lambda p: p.top_p).masked_fill(greedy, 1.0)
+    use_k = (top_k > 0) & (top_k < vocab) & ~greedy
+    width = min(vocab, max([TOP_P_WINDOW] + top_k[use_k].tolist()))
+    win = _window(z, use_k | (top_p < 1), width)
+    cut = _min_p_top_k_cut(min_p, top_k, use_k, row_max, win)
+    if cut is not None:
+        z.masked_fill_(z < cut.unsqueeze(1), NEG_INF)
+    probs = torch.sub(z, row_max.unsqueeze(1)).exp_()
+    total = probs.sum(dim=1)
+    p_rows = (top_p < 1).nonzero().squeeze(1)
+    if len(p_rows):
+        total = _filter_top_p(z, probs, total, top_p, p_rows, row_max, cut, win)
+    return probs, total
+
+
+def _float_copy(logits: Tensor, idx: Tensor | None) -> Tensor:
+    """A float32 copy of the selected rows (ours to modify)."""
+    x = logits if idx is None else logits[idx]  # indexing already copies
+    if x is logits:
+        return x.to(torch.float32, copy=True)
+    return x.to(torch.float32)
 
 
 def _mask_allowed(z: Tensor, b: _Batch) -> None:
@@ -344,24 +364,22 @@ def _ban(z: Tensor, r: Tensor, t: Tensor) -> None:
         z[r[undo], t[undo]] = saved[undo]
 
 
-def _add_logit_bias(z: Tensor, b: _Batch, scale: Tensor) -> None:
+def _add_logit_bias(z: Tensor, b: _Batch) -> None:
     r, t, reqs = b.pairs(lambda req: list(req.params.logit_bias or ()))
     if not len(r):
         return
-    per_req = [
-        torch.tensor(list(b.requests[u].params.logit_bias.values()), dtype=torch.float32).repeat(
-            len(b.rows_of(u))
-        )
+    # Same layout as the pairs: each row of request u gets u's biases, in dict order.
+    bias = torch.cat([
+        torch.tensor(list(b.requests[u].params.logit_bias.values())).repeat(len(b.rows_of(u)))
         for u in reqs
-    ]
-    bias = torch.cat(per_req).to(z.device)
-    z.index_put_((r, t), bias * scale[r], accumulate=True)
+    ])
+    z.index_put_((r, t), bias.to(z.device), accumulate=True)
 
 
-def _apply_penalties(z: Tensor, b: _Batch, scale: Tensor) -> None:
+def _apply_penalties(z: Tensor, b: _Batch) -> None:
     rep = b.param(lambda p: p.repetition_penalty)
-    freq = b.param(lambda p: p.frequency_penalty) * scale
-    pres = b.param(lambda p: p.presence_penalty) * scale
+    freq = b.param(lambda p: p.frequency_penalty)
+    pres = b.param(lambda p: p.presence_penalty)
     if (rep != 1).any():
         _repetition(z, b, rep)
     counted = (freq != 0) | (pres != 0)
@@ -370,14 +388,16 @@ def _apply_penalties(z: Tensor, b: _Batch, scale: Tensor) -> None:
     r, t = b.output_pairs(counted)
     if not len(r):
         return
-    z.index_put_((r, t), -freq[r], accumulate=True)  # once per occurrence: f * count
-    r, t = _unique_pairs(r, t, z.shape[1])
-    z.index_put_((r, t), -pres[r], accumulate=True)
+    key, count = torch.unique(r * z.shape[1] + t, return_counts=True)
+    r, t = key // z.shape[1], key % z.shape[1]
+    # Two subtractions, as vLLM does them (so its rounding, and its ties, are ours).
+    z[r, t] = z[r, t] - freq[r] * count
+    z[r, t] = z[r, t] - pres[r]
 
 
 def _repetition(z: Tensor, b: _Batch, rep: Tensor) -> None:
-    """Tokens seen in prompt or output: positive logits / r, others * r (sign-preserving,
-    so it commutes with the temperature scale)."""
+    """Tokens seen in prompt or output: positive logits * (1 / r), others * r (vLLM's
+    arithmetic)."""
 
     def prompt(req):
         return sorted(set(req.prompt_ids)) if req.params.repetition_penalty != 1 else None
@@ -386,61 +406,81 @@ def _repetition(z: Tensor, b: _Batch, rep: Tensor) -> None:
     orr, ot = b.output_pairs(rep != 1)
     r, t = _unique_pairs(torch.cat([pr, orr]), torch.cat([pt, ot]), z.shape[1])
     vals, pen = z[r, t], rep[r]
-    z[r, t] = torch.where(vals > 0, vals / pen, vals * pen)
+    z[r, t] = vals * torch.where(vals > 0, 1.0 / pen, pen)
 
 
-def _filter_min_p_top_k(z: Tensor, b: _Batch, greedy: Tensor, row_max: Tensor) -> None:
-    """One threshold per row: max(min_p cut, k-th largest). Applying both thresholds to the
-    same logits equals vLLM's min_p followed by top-k on the min_p-masked logits."""
-    vocab = z.shape[1]
-    min_p = b.param(lambda p: p.min_p).masked_fill(greedy, 0.0)
-    top_k = b.param(lambda p: p.top_k, torch.long)
-    use_k = (top_k > 0) & (top_k < vocab) & ~greedy
+class _Window(NamedTuple):
+    """The largest logits of the rows that need top-k or top-p: one topk serves both."""
+
+    vals: Tensor  # [n, W] logits after temperature, descending
+    idx: Tensor  # [n, W] their token ids
+    pos: Tensor  # [R] row -> index into vals (-1: the row has no window)
+
+
+def _window(z: Tensor, need: Tensor, width: int) -> _Window | None:
+    rows = need.nonzero().squeeze(1)
+    if not len(rows):
+        return None
+    vals, idx = _take(z, rows).topk(width, dim=1)
+    pos = torch.full((z.shape[0],), -1, dtype=torch.long, device=z.device)
+    pos[rows] = torch.arange(len(rows), device=z.device)
+    return _Window(vals, idx, pos)
+
+
+def _min_p_top_k_cut(
+    min_p: Tensor, top_k: Tensor, use_k: Tensor, row_max: Tensor, win: _Window | None
+) -> Tensor | None:
+    """One cut per row: max(min_p cut, k-th largest logit); None if no row has either.
+    Both cuts on the same logits equal vLLM's min_p followed by top-k on its output."""
     if not (min_p > 0).any() and not use_k.any():
-        return
-    threshold = row_max + torch.log(min_p)  # log 0 = -inf: no cut
+        return None
+    cut = row_max + torch.log(min_p)  # log 0 = -inf: no cut
     if use_k.any():
-        k_rows = use_k.nonzero().squeeze(1)
-        k = top_k[k_rows]
-        top = _take(z, k_rows).topk(int(k.max()), dim=1).values
-        kth = top.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
-        threshold[k_rows] = torch.maximum(threshold[k_rows], kth)
-    z.masked_fill_(z < threshold.unsqueeze(1), NEG_INF)
+        rows = use_k.nonzero().squeeze(1)
+        kth = win.vals[win.pos[rows]].gather(1, (top_k[rows] - 1).unsqueeze(1)).squeeze(1)
+        cut[rows] = torch.maximum(cut[rows], kth)
+    return cut
 
 
 def _filter_top_p(
-    z: Tensor, probs: Tensor, total: Tensor, b: _Batch, greedy: Tensor, row_max: Tensor
+    z: Tensor,
+    probs: Tensor,
+    total: Tensor,
+    top_p: Tensor,
+    rows: Tensor,
+    row_max: Tensor,
+    cut: Tensor | None,
+    win: _Window,
 ) -> Tensor:
     """Keep the smallest set of most probable tokens whose mass reaches p (plus ties).
 
     `probs` holds unnormalised exp(z - max) with row sums `total`; returns the new sums.
-    Most rows of a language model reach p within their top TOP_P_WINDOW tokens: one topk,
-    no sort of the vocabulary. The other rows find their cut by a histogram (radix select).
-    """
-    top_p = b.param(lambda p: p.top_p).masked_fill(greedy, 1.0)
-    rows = (top_p < 1).nonzero().squeeze(1)
-    if not len(rows):
-        return total
+    Most rows of a language model reach p within their window (top TOP_P_WINDOW logits):
+    no sort of the vocabulary. The other rows find their cut by a histogram."""
     total = total.clone()
     target = top_p[rows].double() * total[rows].double()
-    window = min(TOP_P_WINDOW, z.shape[1])
-    vals, idx = _take(probs, rows).topk(window, dim=1)
-    cum = vals.double().cumsum(dim=1)
-    last = (cum < target.unsqueeze(1)).sum(dim=1).clamp(max=window - 1)
-    threshold = vals.gather(1, last.unsqueeze(1)).squeeze(1)
+    local = win.pos[rows]
+    vals, idx = win.vals[local], win.idx[local]
+    floor = torch.full_like(row_max[rows], NEG_INF) if cut is None else cut[rows]
+    in_window = (vals - row_max[rows].unsqueeze(1)).exp()
+    in_window = in_window.masked_fill_(vals < floor.unsqueeze(1), 0.0)  # min_p / top-k cuts
+    width = vals.shape[1]
+    cum = in_window.double().cumsum(dim=1)
+    last = (cum < target.unsqueeze(1)).sum(dim=1).clamp(max=width - 1)
+    threshold = in_window.gather(1, last.unsqueeze(1)).squeeze(1)
     # The window holds the whole kept set, ties included, unless the cut is its last value.
-    fast = (cum[:, -1] >= target) & (threshold > vals[:, -1]) | (window == z.shape[1])
+    fast = (cum[:, -1] >= target) & (threshold > in_window[:, -1]) | (width == z.shape[1])
     if fast.any():
         f = fast.nonzero().squeeze(1)
-        keep = vals[f] >= threshold[f].unsqueeze(1)
-        local, col = keep.nonzero(as_tuple=True)
-        kr, kt = rows[f][local], idx[f][local, col]
+        keep = in_window[f] >= threshold[f].unsqueeze(1)
+        at, col = keep.nonzero(as_tuple=True)
+        kr, kt = rows[f][at], idx[f][at, col]
         kept_z, kept_p = z[kr, kt], probs[kr, kt]
         z.index_fill_(0, rows[f], NEG_INF)
         probs.index_fill_(0, rows[f], 0.0)
         z[kr, kt], probs[kr, kt] = kept_z, kept_p
         kept_mass = torch.zeros(len(f), dtype=torch.float64, device=z.device)
-        total[rows[f]] = kept_mass.index_add_(0, local, kept_p.double()).float()
+        total[rows[f]] = kept_mass.index_add_(0, at, kept_p.double()).float()
     if not fast.all():
         s = (~fast).nonzero().squeeze(1)
         _top_p_by_histogram(z, probs, total, rows[s], target[s], top_p[rows[s]], row_max)
@@ -467,7 +507,7 @@ def _top_p_by_histogram(
     pr, zr = _take(probs, rows), _take(z, rows)
     cut = (1 - p.double()) / z.shape[1] * total[rows].double()
     per_unit = (BUCKETS / -torch.log(cut)).float().unsqueeze(1)
-    depth = (row_max[rows].unsqueeze(1) - zr).mul_(per_unit)  # -log(prob / max prob) scaled
+    depth = (row_max[rows].unsqueeze(1) - zr).mul_(per_unit)  # -log(prob / max), in buckets
     bucket = depth.clamp_(max=BUCKETS).long()  # BUCKETS: below the cut, never kept
     mass = torch.zeros(len(rows), BUCKETS + 1, device=z.device).scatter_add_(1, bucket, pr)
     cum = mass.double().cumsum(dim=1)

@@ -20,7 +20,8 @@ def ray_serve():
     import ray
     from ray import serve
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # address="local": always a fresh instance, never a cluster another process started.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

@@ -302,3 +302,33 @@ def test_kuberay_images_and_model_volume_agree():
 
 def test_node_setup_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "cluster" / "node_setup.sh")], check=True)
+
+
+def test_fit_check_catches_clusters_that_cannot_host_the_profile():
+    """The resource check above is not vacuous: shrink or mislabel a node type and it fails."""
+    import copy
+
+    from ray.autoscaler._private.util import prepare_config
+
+    good = prepare_config(load(LAUNCHER))
+    profile = load(GPU_CONFIG)
+    broken = []
+    small = copy.deepcopy(good)
+    small["available_node_types"]["target_4gpu"]["resources"]["GPU"] = 2  # TP=4 needs 4 on one node
+    broken.append(small)
+    unlabelled = copy.deepcopy(good)
+    del unlabelled["available_node_types"]["draft_1gpu"]["resources"]["draft_node"]
+    broken.append(unlabelled)
+    few = copy.deepcopy(good)
+    few["available_node_types"]["target_4gpu"]["max_workers"] = 1  # Target max_replicas is 4
+    broken.append(few)
+    for config in broken:
+        with pytest.raises(AssertionError):
+            check_cluster_fits(config["available_node_types"], config["head_node_type"], profile)
+
+
+def test_render_replaces_only_the_serve_config_block():
+    from cluster.render import render
+
+    manifest = "a: 1\nspec:\n  serveConfigV2: |\n    old: 1\n\n    more: 2\n  other: 3\n"
+    assert render(manifest, "new: 2\n# note\n") == "a: 1\nspec:\n  serveConfigV2: |\n    new: 2\n    # note\n  other: 3\n"

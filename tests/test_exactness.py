@@ -40,9 +40,9 @@ ALPHA = 1e-4  # correct settings must pass at this level, broken ones must fail 
 PROMPT = (2, 5, 1, 5)
 _gen = torch.Generator().manual_seed(2024)
 TARGET_TABLE = torch.randn(L + 1, V, V, generator=_gen) * 1.5  # [position, last token] -> logits
-DRAFT_TABLE = 0.8 * TARGET_TABLE + torch.randn(L + 1, V, V, generator=_gen) * 0.9  # related, not equal
+DRAFT_TABLE = 0.8 * TARGET_TABLE + torch.randn(L + 1, V, V, generator=_gen) * 0.9  # related
 
-RESULTS: list[tuple[str, float, int, float, float]] = []  # (setting, chi2, dof, p, acceptance)
+RESULTS: list[tuple] = []  # (setting, chi2, dof, p, acceptance, impossible outputs)
 SIM_COUNTS = {"proposed": 0, "accepted": 0}  # of the latest simulation
 
 
@@ -132,12 +132,12 @@ def simulate(params: SamplingParams, K: int, seed_base: int, variant: Variant, e
             sel = np.nonzero(k > i)[0]
             if len(sel):
                 _draft_step(req, out[active], n[active], props, i, sel, seeds[active], variant,
-                            q_all)  # fmt: skip
+                            q_all)
         p = _target_probs(req, out[active], props, K, raw_target)
         res = rejection_sample(
             torch.from_numpy(props), torch.from_numpy(k), q_all, p, seeds[active],
             torch.from_numpy(n[active]), torch.full((len(active),), variant.drafter_invariant),
-        )  # fmt: skip
+        )
         counts["proposed"] += int(k.sum())
         counts["accepted"] += int(res.num_accepted.sum())
         _commit(out, n, active, props, res)
@@ -162,7 +162,7 @@ def _commit(out, n, active, props, res):
 def exact_joint(params: SamplingParams, extra_req=None) -> np.ndarray:
     """P(x1, x2, x3) of direct sampling from the processed target, flattened to [V^L]."""
     req = RequestSampling(params.model_copy(update={"target_probs": "processed"}), PROMPT,
-                          **(extra_req or {}))  # fmt: skip
+                          **(extra_req or {}))
     joint = np.ones(1)
     for t in range(L):
         prefixes = [tuple(int(d) for d in np.unravel_index(j, (V,) * t)) for j in range(V**t)]
@@ -171,15 +171,15 @@ def exact_joint(params: SamplingParams, extra_req=None) -> np.ndarray:
     return joint / joint.sum()
 
 
-def chi_square(seqs: np.ndarray, joint: np.ndarray) -> tuple[float, int, float]:
-    """Pearson chi-square of the observed outputs against N * joint.
-
-    Cells expected < 5 are merged into one; an output of probability 0 is an outright error.
+def chi_square(seqs: np.ndarray, joint: np.ndarray) -> tuple[float, int, float, int]:
+    """Pearson chi-square of the observed outputs against N * joint: (chi2, dof, p, number of
+    outputs impossible under the target). Cells expected < 5 are merged into one; any
+    impossible output is an outright error (infinite statistic, p = 0).
     """
     obs = np.bincount(np.ravel_multi_index(seqs.T, (V,) * L), minlength=V**L)
-    if obs[joint == 0].sum():  # the statistic is infinite; report how many
-        print(f"  {obs[joint == 0].sum()} of {len(seqs)} outputs are impossible under the target")
-        return float("inf"), 0, 0.0
+    impossible = int(obs[joint == 0].sum())
+    if impossible:
+        return float("inf"), 0, 0.0, impossible
     exp = joint * len(seqs)
     big = exp >= 5
     o = np.append(obs[big], obs[~big & (joint > 0)].sum())
@@ -190,17 +190,18 @@ def chi_square(seqs: np.ndarray, joint: np.ndarray) -> tuple[float, int, float]:
         e[j] += e[-1]
         o, e = o[:-1], e[:-1]
     if len(e) < 2:  # a single possible output (greedy): any deviation was caught above
-        return 0.0, 0, 1.0
+        return 0.0, 0, 1.0, 0
     res = stats.chisquare(o, e * o.sum() / e.sum())
-    return float(res.statistic), len(e) - 1, float(res.pvalue)
+    return float(res.statistic), len(e) - 1, float(res.pvalue), 0
 
 
 def run_setting(name, params, K=3, variant=Variant(), extra_req=None):
     seqs = simulate(params, K, zlib.crc32(name.encode()) * 1_000_003, variant, extra_req)
-    chi2, dof, p = chi_square(seqs, exact_joint(params, extra_req))
+    chi2, dof, p, impossible = chi_square(seqs, exact_joint(params, extra_req))
     acc = SIM_COUNTS["accepted"] / max(SIM_COUNTS["proposed"], 1)
-    RESULTS.append((name, chi2, dof, p, acc))
-    print(f"\n{name:<40} K={K} N={N}: chi2={chi2:.1f} dof={dof} p={p:.3g} acceptance={acc:.3f}")
+    RESULTS.append((name, chi2, dof, p, acc, impossible))
+    print(f"\n{name:<40} K={K} N={N}: chi2={chi2:.1f} dof={dof} p={p:.3g} "
+          f"acceptance={acc:.3f} impossible outputs={impossible}")
     return seqs, p
 
 
@@ -211,8 +212,9 @@ def _summary():
     yield
     torch.set_num_threads(threads)
     print("\n\nexactness summary (chi-square against direct sampling from the processed target)")
-    for name, chi2, dof, p, acc in RESULTS:
-        print(f"  {name:<52} chi2={chi2:>10.1f}  dof={dof:>3}  p={p:<8.3g} acceptance={acc:.3f}")
+    for name, chi2, dof, p, acc, impossible in RESULTS:
+        print(f"  {name:<52} chi2={chi2:>10.1f}  dof={dof:>3}  p={p:<8.3g} "
+              f"acceptance={acc:.3f}" + (f"  impossible outputs={impossible}" if impossible else ""))
 
 
 # ---- settings -------------------------------------------------------------------------------
@@ -234,8 +236,10 @@ SETTINGS = {
     "combined:T1.5,allowed,rep1.3,min_tokens": dict(
         temperature=1.5, allowed_token_ids=[0, 1, 3, 4, 6], repetition_penalty=1.3,
         min_tokens=2, stop_token_ids=[4]),
-}  # fmt: skip
-EXTRA_REQ = {"combined:T1.5,allowed,rep1.3,min_tokens": dict(eos_token_ids=(6,), bad_words_ids=((3, 1),))}
+}
+EXTRA_REQ = {  # RequestSampling fields: eos banned by min_tokens, a two-token bad word
+    "combined:T1.5,allowed,rep1.3,min_tokens": dict(eos_token_ids=(6,), bad_words_ids=((3, 1),))
+}
 # settings where processing changes the target, so a raw target must be caught
 RAW_SETTINGS = ["T=0.6", "top_p=0.9", "repetition=1.3", "combined:T0.8,top_k5,top_p0.9,min_p,pen"]
 
@@ -246,7 +250,9 @@ def test_speculative_output_is_exact(name):
     assert p > ALPHA
 
 
-@pytest.mark.parametrize("name,extra", [("greedy", {}), ("greedy, rep 1.3", {"repetition_penalty": 1.3})])
+@pytest.mark.parametrize(
+    "name,extra", [("greedy", {}), ("greedy, rep 1.3", {"repetition_penalty": 1.3})]
+)
 def test_greedy_is_exactly_target_greedy(name, extra):
     params = SamplingParams(temperature=0.0, **extra)
     seqs, _ = run_setting(name, params, K=2)
@@ -261,14 +267,15 @@ def test_exact_with_k2_and_drafter_invariant_mode():
     params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2)
     assert run_setting("K=2 T0.8,top_p0.9,rep1.2", params, K=2)[1] > ALPHA
     assert run_setting("drafter-invariant T0.8,top_p0.9,rep1.2", params,
-                       variant=Variant(drafter_invariant=True))[1] > ALPHA  # fmt: skip
+                       variant=Variant(drafter_invariant=True))[1] > ALPHA
 
 
 def test_unprocessed_draft_is_still_exact():
     # Rejection sampling is exact for ANY proposal distribution q, as long as q is the one the
     # proposals were drawn from: a raw draft only costs acceptance.
     params = SamplingParams(**SETTINGS["combined:T0.8,top_k5,top_p0.9,min_p,pen"])
-    assert run_setting("raw draft (sampled and reported)", params, variant=Variant(raw_draft=True))[1] > ALPHA
+    variant = Variant(raw_draft=True)
+    assert run_setting("raw draft (sampled and reported)", params, variant=variant)[1] > ALPHA
 
 
 # ---- the check detects the known errors -------------------------------------------------------
@@ -283,7 +290,8 @@ def test_raw_target_is_detected(name):
 def test_draft_reporting_another_q_is_detected():
     params = SamplingParams(**SETTINGS["combined:T0.8,top_k5,top_p0.9,min_p,pen"])
     variant = Variant(reports_raw_q=True)
-    assert run_setting("BROKEN draft samples processed, reports raw", params, variant=variant)[1] < ALPHA
+    name = "BROKEN draft samples processed, reports raw"
+    assert run_setting(name, params, variant=variant)[1] < ALPHA
 
 
 def _recover_from_p(original):
@@ -319,7 +327,9 @@ def _shared_uniform(original):
     return final
 
 
-@pytest.mark.parametrize("bug", [_recover_from_p, _bonus_from_q, _shared_uniform], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "bug", [_recover_from_p, _bonus_from_q, _shared_uniform], ids=lambda f: f.__name__
+)
 def test_broken_sampler_is_detected(bug, monkeypatch):
     monkeypatch.setattr(rejection, "_final_token", bug(rejection._final_token))
     params = SamplingParams(temperature=1.0)

@@ -436,7 +436,7 @@ def test_property_top_k_and_top_p_supports(logits, top_p, top_k):
     assert mass - ties * smallest < top_p + 1e-5
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(cases(), st.integers(0, 3))
 def test_property_batch_position_does_not_matter(case, position):
     logits, req, output = case

@@ -57,15 +57,20 @@ def test_same_seed_same_tokens_at_any_row_beside_any_requests():
     seed, pos, k = torch.tensor([424242]), torch.tensor([17]), torch.tensor([3])
     x = _draft_from(q, seed, pos, k)
     alone = _run(x, k, q, p, seed, pos)
+    # without the padding column: a batch whose K is the request's own k
+    assert _run(x[:, :3], k, q[:, :3], p[:, :4], seed, pos).tokens == alone.tokens
+    g = torch.Generator().manual_seed(5)
     for trial in range(6):
         B = 5 + trial
         others_q, others_p = _probs(B, K, seed=10 + trial), _probs(B, K + 1, seed=20 + trial)
-        seeds, positions = torch.randint(0, 2**62, (B,)), torch.randint(0, 100, (B,))
-        ks = torch.randint(0, K + 1, (B,))
+        seeds = torch.randint(0, 2**62, (B,), generator=g)
+        positions = torch.randint(0, 100, (B,), generator=g)
+        ks = torch.randint(0, K + 1, (B,), generator=g)
         xs = _draft_from(others_q, seeds, positions, ks)
         row = trial % B
-        for t, v in ((others_q, q), (others_p, p), (seeds, seed), (positions, pos), (ks, k), (xs, x)):
-            t[row] = v[0]
+        pairs = ((others_q, q), (others_p, p), (seeds, seed), (positions, pos), (ks, k), (xs, x))
+        for batch_tensor, alone_tensor in pairs:
+            batch_tensor[row] = alone_tensor[0]
         inv = torch.arange(B) % 2 == 1  # drafter-invariant neighbours, too
         inv[row] = False
         out = _run(xs, ks, others_q, others_p, seeds, positions, inv)
@@ -111,7 +116,10 @@ def _speculative(seeds, length, start, K, table_q, with_q):
         pos = torch.tensor([len(o) for o in out])
         props, qs, h = [], [], last
         for i in range(K):  # the draft: its own distribution, the request's noise
-            q = _dist(table_q, h, pos + i) if table_q is not None else _probs(B, seed=len(qs) * 7 + int(pos.sum()))
+            if table_q is None:  # a fresh random draft distribution every time
+                q = _probs(B, seed=len(qs) * 7 + int(pos.sum()))
+            else:
+                q = _dist(table_q, h, pos + i)
             h = gumbel_argmax(q, seeds, pos + i)
             props.append(h), qs.append(q)
         x = torch.stack(props, 1)
@@ -120,7 +128,7 @@ def _speculative(seeds, length, start, K, table_q, with_q):
         k = torch.randint(0, K + 1, (B,), generator=gen)  # rows submit 0..K of the proposals
         x = torch.where(torch.arange(K) < k[:, None], x, -1)
         res = rejection_sample(x, k, torch.stack(qs, 1) if with_q else None,
-                               p, seeds, pos, torch.ones(B, dtype=torch.bool))  # fmt: skip
+                               p, seeds, pos, torch.ones(B, dtype=torch.bool))
         for b, toks in enumerate(res.tokens):
             out[b] += toks
             stats.add_round(int(k[b]), int(res.num_accepted[b]), len(toks))
@@ -182,7 +190,7 @@ def test_padding_zero_proposals_and_output_shape():
         assert out.tokens[b][:n] == x[b, :n].tolist() and len(out.tokens[b]) == n + 1
     # k = 0 everywhere: only bonus tokens, and no draft probabilities are needed
     empty = _run(torch.empty(B, 0, dtype=torch.long), torch.zeros(B, dtype=torch.long), None,
-                 p[:, :1], seeds, pos)  # fmt: skip
+                 p[:, :1], seeds, pos)
     assert [t[0] for t in empty.tokens] == sample(p[:, 0], seeds, pos, Purpose.BONUS).tolist()
 
 
@@ -190,7 +198,7 @@ def test_missing_draft_probs_for_a_standard_row_is_refused():
     x, k = torch.zeros(2, 2, dtype=torch.long), torch.tensor([2, 2])
     with pytest.raises(ValueError, match="drafter-invariant"):
         rejection_sample(x, k, None, _probs(2, 3), torch.arange(2), torch.arange(2),
-                         torch.tensor([True, False]))  # fmt: skip
+                         torch.tensor([True, False]))
     with pytest.raises(ValueError, match="num_draft"):
         _run(x, torch.tensor([3, 0]), _probs(2, 2), _probs(2, 3), torch.arange(2), torch.arange(2))
 
@@ -210,7 +218,7 @@ def test_spec_stats_arithmetic():
     assert s.system_efficiency == 9 / (5 + 5 + 3 + 1)
     d = s.to_dict()
     assert d == {"rounds": 4, "proposed": 10, "accepted": 5, "emitted": 9,
-                 "acceptance_rate": 0.5, "system_efficiency": 9 / 14}  # fmt: skip
+                 "acceptance_rate": 0.5, "system_efficiency": 9 / 14}
     only_target = SpecStats()
     only_target.add_round(0, 0, 1)
     assert only_target.acceptance_rate is None and only_target.system_efficiency == 1.0

@@ -11,7 +11,9 @@ What is compared (vLLM 0.32, V1 sampler, CPU):
 - min-p: vLLM's MinPLogitsProcessor;
 - everything together: vllm.v1.sample.sampler.Sampler (allowed_token_ids, bad words,
   min_tokens, logit_bias, penalties, greedy, temperature, min-p, top-k, top-p) with its
-  processed log-probabilities, on a batch whose rows carry different parameters.
+  processed log-probabilities, on a batch whose rows carry different parameters;
+- bad-word tokenization: vllm.SamplingParams.update_from_tokenizer, real Qwen tokenizer;
+- SamplingParams.from_any on a real vllm.SamplingParams.
 
 Deliberate differences, kept out of the random cases here and covered in
 tests/test_processing.py: (1) top-p ties: we keep every token tied with the last kept one,
@@ -45,7 +47,12 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
 from specdec.params import SamplingParams  # noqa: E402
-from specdec.processing import RequestSampling, Row, process_logits  # noqa: E402
+from specdec.processing import (  # noqa: E402
+    RequestSampling,
+    Row,
+    process_logits,
+    tokenize_bad_words,
+)
 
 # vLLM picks its CPU kernel library (AVX2 / AVX512) here; greedy argmax needs it.
 current_platform.import_kernels()
@@ -85,6 +92,18 @@ def test_from_any_reads_a_real_vllm_sampling_params():
     assert SamplingParams.from_any(vllm.SamplingParams()) == SamplingParams()
 
 
+def test_bad_words_tokenize_like_vllm(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+    # vLLM's own tokenizer wrapper adds max_token_id; that is all update_from_tokenizer needs.
+    tokenizer = SimpleNamespace(encode=hf.encode, max_token_id=len(hf) - 1)
+    words = ["print", " def", "import numpy", "hello world", "x", "  spaced"]
+    vp = vllm.SamplingParams(bad_words=words)
+    vp.update_from_tokenizer(tokenizer)
+    assert tokenize_bad_words(words, hf) == tuple(tuple(ids) for ids in vp.bad_words_token_ids)
+
+
 @pytest.mark.parametrize(
     "rep, freq, pres", [(1.3, 0.0, 0.0), (0.7, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, -0.4, 0.8), (1.2, 0.3, -0.6)]
 )
@@ -112,7 +131,7 @@ def test_penalties_match_vllm(rep, freq, pres):
 def test_top_k_top_p_match_vllm(temperature, top_k, top_p):
     logits = _logits(8, seed=2)
     vp = vllm.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    k = torch.full((8,), top_k if top_k > 0 else VOCAB, dtype=torch.long) if top_k > 0 else None
+    k = torch.full((8,), top_k, dtype=torch.long) if top_k > 0 else None
     p = torch.full((8,), top_p) if top_p < 1 else None
     theirs = apply_top_k_top_p(logits / temperature, k, p).softmax(dim=1)
     _assert_same(_ours(logits, vp), theirs)
