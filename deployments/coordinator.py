@@ -126,8 +126,10 @@ class Coordinator:
             )
         finally:
             self.metrics.in_flight(-1)
-            # Fire and forget: a cancelled request must not wait on cleanup.
-            self.draft.release.remote(gen.request_id)
+            # Fire and forget: a cancelled request must not wait on cleanup. A release is a
+            # call like any other for autoscaling, so a pool that never saw it is spared.
+            if gen.used_draft:
+                self.draft.release.remote(gen.request_id)
             self.target.release.remote(gen.request_id)
 
     def _on_round(self, gen: Generation, times: RoundTimes, outcome: RoundResult) -> None:

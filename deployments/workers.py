@@ -15,11 +15,12 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
 from specdec.model_pair import resolve_model
 from specdec.rounds import DraftCall, Proposal, ScoreCall, Scores, run_draft, run_target
+from deployments.tensor_parallel import TensorParallelRunner, default_threads
 from specdec.runner import ModelRunner
 
 logger = logging.getLogger("ray.serve")
@@ -38,21 +39,28 @@ class RunnerConfig(BaseModel):
     max_batch_size: int = 16
     batch_wait_timeout_s: float = 0.002
     cache_dir: str | None = None  # where the default pair is converted and cached
+    # Ranks of one replica (heads and MLP sharded, KV cache by head). The deployment's
+    # placement_group_bundles must hold one bundle per rank; rank i runs in bundle i.
+    tensor_parallel_size: int = Field(1, ge=1)
 
 
 class _ModelServer:
     def __init__(self, config: dict | RunnerConfig):
         self.config = RunnerConfig.model_validate(config)
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus; a CPU replica left at one
-        # thread decodes at half speed on a 2-core machine.
-        torch.set_num_threads(self.config.num_threads or os.cpu_count() or 1)
+        # thread decodes at half speed on a 2-core machine. Tensor-parallel ranks share.
+        tp_size = self.config.tensor_parallel_size
+        torch.set_num_threads(self.config.num_threads or default_threads(tp_size))
         path = resolve_model(self.config.model, cache_dir=self.config.cache_dir)
-        self.runner = ModelRunner(
-            path,
-            dtype=self.config.dtype,
-            device=self.config.device,
-            max_cache_tokens=self.config.max_cache_tokens,
-        )
+        if tp_size > 1:
+            self.runner = TensorParallelRunner(path, self.config, tp_size)
+        else:
+            self.runner = ModelRunner(
+                path,
+                dtype=self.config.dtype,
+                device=self.config.device,
+                max_cache_tokens=self.config.max_cache_tokens,
+            )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._released: OrderedDict[str, None] = OrderedDict()  # recently finished requests
         logger.info(

@@ -77,6 +77,7 @@ class Generation:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     stats: SpecStats = field(default_factory=SpecStats)
+    used_draft: bool = False  # whether any draft replica may hold a cache for it
     times: RoundTimes = field(default_factory=RoundTimes)
 
     @property
@@ -136,6 +137,7 @@ class Generation:
         return max(0, min(self.num_speculative_tokens, left - 1, room - 1))
 
     def draft_call(self, k: int) -> DraftCall:
+        self.used_draft = True
         return DraftCall(self.request_id, self.tokens(), k, self.sampling, self.seed)
 
     def score_call(self, proposal: Proposal) -> ScoreCall:
