@@ -37,6 +37,7 @@ def _runner(path, config, rank: int, size: int) -> ModelRunner:
         device=config.device,
         max_cache_tokens=config.max_cache_tokens,
         tp=TensorParallel(rank, size),
+        batch_invariant=config.batch_invariant,
     )
 
 

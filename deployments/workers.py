@@ -42,6 +42,9 @@ class RunnerConfig(BaseModel):
     # Ranks of one replica (heads and MLP sharded, KV cache by head). The deployment's
     # placement_group_bundles must hold one bundle per rank; rank i runs in bundle i.
     tensor_parallel_size: int = Field(1, ge=1)
+    # Fixed-shape matmul blocks, so a row's numerics do not depend on the rest of the
+    # batch: seeded output stays identical under load (issue 7). Costs some speed.
+    batch_invariant: bool = False
 
 
 class _ModelServer:
@@ -60,6 +63,7 @@ class _ModelServer:
                 dtype=self.config.dtype,
                 device=self.config.device,
                 max_cache_tokens=self.config.max_cache_tokens,
+                batch_invariant=self.config.batch_invariant,
             )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._released: OrderedDict[str, None] = OrderedDict()  # recently finished requests

@@ -107,7 +107,8 @@ class Generation:
         sampling = RequestSampling(
             params=params,
             prompt_ids=tuple(prompt_ids),
-            eos_token_ids=() if params.ignore_eos else info.eos_token_ids,
+            # Banned until min_tokens even with ignore_eos, as vLLM does; a stop only without.
+            eos_token_ids=info.eos_token_ids,
             bad_words_ids=tokenize_bad_words(params.bad_words or [], info.tokenizer),
         )
         k = params.num_speculative_tokens
@@ -191,7 +192,7 @@ class Generation:
                     self.text = self.info.tokenizer.decode(self.output[:-1], skip_special_tokens=True)
                 self.finish_reason, self.stop_reason = "stop", token
                 return
-            if token in self.sampling.eos_token_ids:
+            if token in self.sampling.eos_token_ids and not params.ignore_eos:
                 self.finish_reason = "stop"
                 return
             if params.stop and self._stop_string(previous_len):

@@ -27,7 +27,10 @@ def failover_handle(ray_serve, tiny_pair):
         tiny_pair,
         served_model_name=APP,
         draft_options={"num_replicas": 1},
-        target_options={"num_replicas": 2},
+        target_options={
+            "num_replicas": 2,
+            "request_router_config": {"request_router_class": "deployments.routing:CacheAffinityRouter"},
+        },
         coordinator_options={"num_replicas": 1},
     )
     handle = serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
