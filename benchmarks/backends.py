@@ -238,7 +238,7 @@ class LocalBackend:
         return outputs, stats
 
     def close(self) -> None:
-        self.engine = None
+        self.engine = self.draft = self.target = None
 
 
 class HttpBackend:

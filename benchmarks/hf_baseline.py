@@ -15,6 +15,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 
+# transformers 5's defaults when the assistant's generation config leaves them unset.
+_ASSISTANT_DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+                       "assistant_confidence_threshold": 0.4}
+
+
 def _load(model_dir, dtype):
     from transformers import AutoModelForCausalLM
 
@@ -26,6 +31,7 @@ def _load(model_dir, dtype):
 def run_hf_baseline(draft_dir, target_dir, prompts_ids: Sequence[Sequence[int]],
                     settings: Sequence[tuple[str, dict]], *, max_tokens: int, ignore_eos: bool,
                     dtype: str = "bfloat16", seed0: int = 0,
+                    assistant_tokens: int | None = None,
                     progress: Callable[[str, int], Callable[[int], None]] | None = None) -> dict:
     import transformers
 
@@ -34,6 +40,9 @@ def run_hf_baseline(draft_dir, target_dir, prompts_ids: Sequence[Sequence[int]],
     target = _load(target_dir, torch_dtype)
     draft = _load(draft_dir, torch_dtype)
     load_s = time.perf_counter() - t0
+    if assistant_tokens:  # a fixed number of draft tokens per round, like this engine's K
+        draft.generation_config.num_assistant_tokens = assistant_tokens
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
     rows = []
     for name, params in settings:
         greedy = params.get("temperature", 1.0) == 0.0
@@ -70,9 +79,9 @@ def run_hf_baseline(draft_dir, target_dir, prompts_ids: Sequence[Sequence[int]],
         base = next(r for r in rows if r["setting"] == row["setting"] and r["mode"] == "target-only")
         row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
     gc = draft.generation_config
-    info = {"transformers_version": transformers.__version__, "load_s": load_s,
-            "num_assistant_tokens": getattr(gc, "num_assistant_tokens", None),
-            "num_assistant_tokens_schedule": getattr(gc, "num_assistant_tokens_schedule", None),
-            "assistant_confidence_threshold": getattr(gc, "assistant_confidence_threshold", None)}
+    info = {"transformers_version": transformers.__version__, "load_s": load_s}
+    for name, default in _ASSISTANT_DEFAULTS.items():  # None in the config: transformers' default
+        value = getattr(gc, name, None)
+        info[name] = f"{default} (default)" if value is None else value
     del target, draft
     return {"info": info, "rows": rows}

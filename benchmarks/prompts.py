@@ -95,6 +95,6 @@ def load(dataset: str, n: int | None = None) -> list[Prompt]:
 
 # The guard's prompt: a continuation whose next tokens are spread over a few digits, so
 # that per-position token frequencies over the allowed digits are informative.
-GUARD_PROMPT = ("Here is a list of random digits drawn uniformly from 0 to 9, without spaces:\n"
-                "8403917265183920475619")
+# Short, because every sample pays its own prefill.
+GUARD_PROMPT = "Random digits: 840391726518"
 GUARD_TOKENS = [str(d) for d in range(10)]

@@ -11,6 +11,7 @@ position), so none of this changes a seeded request's text.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -128,9 +129,12 @@ class Coordinator:
             self.metrics.in_flight(-1)
             # Fire and forget: a cancelled request must not wait on cleanup. A release is a
             # call like any other for autoscaling, so a pool that never saw it is spared.
+            # Sent from an empty context: inside the request's own, Serve would count the
+            # releases as its child calls and cancel them with a cancelled request.
+            release = contextvars.Context().run
             if gen.used_draft:
-                self.draft.release.remote(gen.request_id)
-            self.target.release.remote(gen.request_id)
+                release(self.draft.release.remote, gen.request_id)
+            release(self.target.release.remote, gen.request_id)
 
     def _on_round(self, gen: Generation, times: RoundTimes, outcome: RoundResult) -> None:
         self.metrics.round(

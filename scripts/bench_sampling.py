@@ -1,10 +1,11 @@
 """Micro-benchmark of one speculative round's sampling work (not a test).
 
 16 requests, K = 4, vocabulary 151,936, on this machine's CPU:
-  draft side   4 steps x (process 16 rows + sample 16 tokens)  (the draft runs step by step)
+  draft side   4 steps x (process 16 rows, then sample 16 tokens)  (the draft runs step by step)
   target side  process 16 x 5 rows (speculative_rows: each row sees the earlier proposals)
   rejection    rejection_sample over [16, 4] proposals
-Prints the median milliseconds of each stage over the repeats.
+Prints the median milliseconds of each stage over the repeats, wall time and CPU time (the
+processing stages are `specdec.processing`; the sampling ones `randomness` and `rejection`).
 
     .venv/bin/python scripts/bench_sampling.py [--repeats 15] [--threads N]
 """
@@ -28,7 +29,8 @@ from specdec.rejection import rejection_sample
 
 B, K, V = 16, 4, 151_936
 PROMPT_LEN, OUTPUT_LEN = 200, 100
-STAGES = ("draft 4x(process+sample 16)", "target process 16x5", "rejection_sample", "total")
+STAGES = ("draft process 4x16", "draft sample 4x16", "target process 16x5", "rejection_sample",
+          "total")
 
 CONFIGS = {
     "T=0.6 top_p=0.9 rep=1.1": dict(temperature=0.6, top_p=0.9, repetition_penalty=1.1),
@@ -56,27 +58,52 @@ def make_requests(params: dict, gen: torch.Generator):
     return reqs, outputs
 
 
-def one_round(reqs, outputs, draft_logits, target_logits, seeds, positions, inv, times):
-    t0 = time.perf_counter()
+class Clock:
+    """Wall and CPU (process) time per stage. On a shared machine the CPU time is the robust
+    figure with --threads 1: it excludes the time other processes hold the cores."""
+
+    def __init__(self):
+        self.wall = {stage: [] for stage in STAGES}
+        self.cpu = {stage: [] for stage in STAGES}
+
+    @staticmethod
+    def now():
+        return time.perf_counter(), time.process_time()
+
+    def add(self, stage, start, end=None):
+        end = end or self.now()
+        self.wall[stage].append(end[0] - start[0])
+        self.cpu[stage].append(end[1] - start[1])
+
+
+def one_round(reqs, outputs, draft_logits, target_logits, seeds, positions, inv, clock):
+    t0 = clock.now()
     proposals = [[] for _ in range(B)]
-    q_steps = []
+    q_steps, sampling = [], [0.0, 0.0]
     for i in range(K):  # the draft: one processing + sampling step per proposal
         rows = [Row(r, o + tuple(p)) for r, o, p in zip(reqs, outputs, proposals)]
         q = process_logits(draft_logits[i], rows).probs
-        tok = sample(q, seeds, positions + i, Purpose.DRAFT, inv)
-        for b, t in enumerate(tok.tolist()):
+        s0 = clock.now()
+        tok = sample(q, seeds, positions + i, Purpose.DRAFT, inv).tolist()
+        s1 = clock.now()
+        sampling = [sampling[0] + s1[0] - s0[0], sampling[1] + s1[1] - s0[1]]
+        for b, t in enumerate(tok):
             proposals[b].append(t)
         q_steps.append(q)
-    t1 = time.perf_counter()
+    t1 = clock.now()
     rows = [row for r, o, p in zip(reqs, outputs, proposals) for row in speculative_rows(r, o, p)]
     p = process_logits(target_logits, rows).probs.view(B, K + 1, V)
-    t2 = time.perf_counter()
+    t2 = clock.now()
     res = rejection_sample(torch.tensor(proposals), torch.full((B,), K),
                            None if bool(inv.all()) else torch.stack(q_steps, 1),
                            p, seeds, positions, inv)
-    t3 = time.perf_counter()
-    for stage, dt in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
-        times[stage].append(dt)
+    t3 = clock.now()
+    draft_end = (t1[0] - sampling[0], t1[1] - sampling[1])
+    clock.add("draft process 4x16", t0, draft_end)
+    clock.add("draft sample 4x16", (0.0, 0.0), tuple(sampling))
+    clock.add("target process 16x5", t1, t2)
+    clock.add("rejection_sample", t2, t3)
+    clock.add("total", t0, t3)
     return res
 
 
@@ -88,21 +115,27 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"B={B} K={K} V={V} torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats} rounds (ms)")
+          f"{args.repeats} rounds per configuration (after one warm-up), load average "
+          f"{open('/proc/loadavg').read().split()[0]}")
     gen = torch.Generator().manual_seed(0)
     draft_logits = [lm_like_logits(B, gen) for _ in range(K)]
     target_logits = lm_like_logits(B * (K + 1), gen)
     seeds, positions = torch.arange(B) * 7919 + 1, torch.full((B,), OUTPUT_LEN)
-    print(f"{'':<44}" + "".join(f"{stage:>30}" for stage in STAGES))
+    clocks = {}
     for name, params in CONFIGS.items():
         reqs, outputs = make_requests(params, gen)
         inv = torch.full((B,), bool(params.get("drafter_invariant", False)))
-        times: dict[str, list[float]] = {stage: [] for stage in STAGES}
-        for i in range(args.repeats + 1):  # the first round is a warm-up
+        one_round(reqs, outputs, draft_logits, target_logits, seeds, positions, inv, Clock())
+        clocks[name] = Clock()
+        for _ in range(args.repeats):
             one_round(reqs, outputs, draft_logits, target_logits, seeds, positions, inv,
-                      times if i else {stage: [] for stage in STAGES})
-        print(f"{name:<44}" + "".join(f"{statistics.median(times[st]) * 1e3:>30.1f}"
-                                      for st in STAGES))
+                      clocks[name])
+    for kind in ("wall", "cpu"):
+        print(f"\n{kind} time, median ms" + "".join(f"{stage:>22}" for stage in STAGES))
+        for name, clock in clocks.items():
+            row = getattr(clock, kind)
+            print(f"{name:<44}"[:44] + "".join(f"{statistics.median(row[st]) * 1e3:>22.1f}"
+                                                for st in STAGES))
 
 
 if __name__ == "__main__":

@@ -158,11 +158,13 @@ class Qwen2Model:
         files = self._files()
         handles: dict[Path, Any] = {}
 
-        def get(name, shard_dim=None):
+        def get(name, shard_dim=None, optional=False):
             """The tensor `name`, sliced to this rank along shard_dim (0: rows, 1: columns)."""
             path = files.get(name)
             if path is None:
-                return None
+                if optional:
+                    return None
+                raise KeyError(f"{self.model_dir}: weight {name!r} not found")
             if path not in handles:
                 handles[path] = safe_open(str(path), framework="pt")
             sl = handles[path].get_slice(name)
@@ -174,7 +176,9 @@ class Qwen2Model:
                 t = sl[lo:hi] if shard_dim == 0 else sl[:, lo:hi]
             return t.to(device=self.device, dtype=self.dtype).contiguous()
 
-        cat = lambda ts: torch.cat(ts, 0) if all(t is not None for t in ts) else None  # noqa
+        def cat(ts):
+            return torch.cat(ts, 0) if all(t is not None for t in ts) else None
+
         self.embed = get("model.embed_tokens.weight")
         self.layers = []
         for i in range(self.config.num_layers):
@@ -185,14 +189,14 @@ class Qwen2Model:
                 ln1=get(p + "input_layernorm.weight"),
                 ln2=get(p + "post_attention_layernorm.weight"),
                 qkv=cat([get(a + f"{x}_proj.weight", 0) for x in "qkv"]),
-                qkv_bias=cat([get(a + f"{x}_proj.bias", 0) for x in "qkv"]),
+                qkv_bias=cat([get(a + f"{x}_proj.bias", 0, optional=True) for x in "qkv"]),
                 o=get(a + "o_proj.weight", 1),
-                o_bias=get(a + "o_proj.bias"),
+                o_bias=get(a + "o_proj.bias", optional=True),
                 gate_up=cat([get(m + "gate_proj.weight", 0), get(m + "up_proj.weight", 0)]),
                 down=get(m + "down_proj.weight", 1),
             ))
         self.norm = get("model.norm.weight")
-        self.lm_head = get("lm_head.weight")
+        self.lm_head = get("lm_head.weight", optional=True)
         if self.lm_head is None:
             self.lm_head = self.embed  # tied embeddings
         handles.clear()

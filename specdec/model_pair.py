@@ -330,9 +330,18 @@ def _vocab_of(model_dir: Path) -> dict[str, int]:
     return AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
 
 
+def _same_tokenizer_files(a: Path, b: Path) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json")
+    if not all((d / n).is_file() for d in (a, b) for n in names):
+        return False
+    return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
 def check_same_tokenizer(draft_dir, target_dir) -> None:
     """Raises TokenizerMismatchError unless both tokenizers map the same tokens to the same ids
     (added and special tokens included)."""
+    if _same_tokenizer_files(Path(draft_dir), Path(target_dir)):
+        return  # byte-identical files: no need to load two 150k-token vocabularies
     draft, target = _vocab_of(Path(draft_dir)), _vocab_of(Path(target_dir))
     if draft == target:
         return

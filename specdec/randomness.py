@@ -229,9 +229,10 @@ def _block_sums(probs: Tensor, size: int) -> Tensor:
     """float64 sums of consecutive blocks of `size` tokens (the last may be shorter)."""
     R, V = probs.shape
     n = V // size
-    sums = probs[:, : n * size].reshape(R, n, size).sum(dim=2, dtype=torch.float64)
+    # convert, then sum: sum(dtype=float64) casts element by element (measured 2x slower)
+    sums = probs[:, : n * size].to(torch.float64).reshape(R, n, size).sum(dim=2)
     if n * size < V:
-        tail = probs[:, n * size :].sum(dim=1, keepdim=True, dtype=torch.float64)
+        tail = probs[:, n * size :].to(torch.float64).sum(dim=1, keepdim=True)
         sums = torch.cat([sums, tail], dim=1)
     return sums
 
@@ -255,12 +256,15 @@ def sample(
     purpose = _as_long(purpose, probs.device).expand(shape)
     out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     if gumbel_rows is None:
-        gumbel_rows = torch.zeros(probs.shape[0], dtype=torch.bool, device=probs.device)
-    g_idx = gumbel_rows.nonzero().squeeze(1)
-    c_idx = (~gumbel_rows).nonzero().squeeze(1)
-    if g_idx.numel():
-        out[g_idx] = gumbel_argmax(probs[g_idx], seeds[g_idx], positions[g_idx])
-    if c_idx.numel():
-        u = uniforms(seeds[c_idx], positions[c_idx], purpose[c_idx])
-        out[c_idx] = inverse_cdf(probs[c_idx], u)
+        gumbel_rows = torch.zeros(shape, dtype=torch.bool, device=probs.device)
+    gumbel_rows = gumbel_rows.to(probs.device, torch.bool)
+    for rows, gumbel in ((gumbel_rows, True), (~gumbel_rows, False)):
+        idx = rows.nonzero().squeeze(1)
+        if not idx.numel():
+            continue
+        p = probs if idx.numel() == probs.shape[0] else probs[idx]  # no copy when all rows
+        if gumbel:
+            out[idx] = gumbel_argmax(p, seeds[idx], positions[idx])
+        else:
+            out[idx] = inverse_cdf(p, uniforms(seeds[idx], positions[idx], purpose[idx]))
     return out

@@ -35,14 +35,17 @@ def make_tiny_model(out_dir, tokenizer_dir, *, num_layers: int = 2, hidden_size:
 
     out = Path(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    vocab_size = _vocab_size(Path(tokenizer_dir), tokenizer)
+    pad = tokenizer.pad_token_id
     config = Qwen2Config(
-        vocab_size=_vocab_size(Path(tokenizer_dir), tokenizer), hidden_size=hidden_size,
+        vocab_size=vocab_size, hidden_size=hidden_size,
         intermediate_size=intermediate_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings, rope_theta=1_000_000.0,
         rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, initializer_range=init_std)
+        pad_token_id=pad if pad is not None and pad < vocab_size else None,
+        initializer_range=init_std)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():

@@ -125,20 +125,41 @@ def exact_target_distribution(engine, prompt_ids, params, allowed):
     return {(a, b): float(p1[a] * p2[i, b]) for i, a in enumerate(allowed) for b in allowed}
 
 
+@pytest.fixture(scope="module")
+def small_vocab_engine(tmp_path_factory, tokenizer_dir):
+    """A tiny pair over the first 64 token ids (the real tokenizer decodes them), so that
+    thousands of requests cost little."""
+    import json
+    import shutil
+
+    from specdec.tiny import make_tiny_draft, make_tiny_model
+
+    root = tmp_path_factory.mktemp("small_vocab")
+    tokenizer = shutil.copytree(tokenizer_dir, root / "tokenizer")
+    config = json.loads((tokenizer / "config.json").read_text()) | {"vocab_size": 64}
+    (tokenizer / "config.json").write_text(json.dumps(config))
+    target = make_tiny_model(root / "target", tokenizer, seed=3)
+    draft = make_tiny_draft(root / "draft", target, noise=0.3, seed=4)
+    engine = LocalEngine(draft, target, num_speculative_tokens=2, dtype="float32")
+    engine.info.eos_token_ids = ()  # the real EOS ids lie outside this vocabulary
+    return engine
+
+
 @pytest.mark.parametrize("mode", ["processed", "raw"])
-def test_speculative_token_frequencies_match_target(engine, mode):
-    """20,000 two-token samples through the batched rounds vs the exact target
+def test_speculative_token_frequencies_match_target(small_vocab_engine, mode):
+    """6,000 two-token samples through the deployments' batched rounds vs the exact target
     distribution; the pre-PR-10198 "raw" target must be caught."""
+    engine = small_vocab_engine
     allowed = [15, 16, 17, 18, 19]  # a few tokens keep the enumeration cheap
     params = dict(temperature=0.6, top_p=0.9, repetition_penalty=1.3, allowed_token_ids=allowed,
                   max_tokens=2, ignore_eos=True, num_speculative_tokens=2, target_probs=mode)
-    requests = [{"prompt": PROMPT, "sampling_params": params | {"seed": s}} for s in range(20_000)]
-    results = engine.generate(requests)
+    prompt_ids = [5, 9, 23, 42]  # inside the 64-token vocabulary
+    requests = [{"prompt_token_ids": prompt_ids, "sampling_params": params | {"seed": s}} for s in range(6_000)]
+    results = engine.generate(requests, batch_size=512)
     counts = {}
     for r in results:
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
 
-    prompt_ids = engine.info.tokenizer(PROMPT)["input_ids"]
     from specdec.params import SamplingParams
 
     truth = exact_target_distribution(engine, prompt_ids, SamplingParams(**params), allowed)

@@ -53,6 +53,18 @@ def test_forward_matches_transformers_llama_with_rope_scaling(tmp_path, tied):
     torch.testing.assert_close(ours, _hf_logits(tmp_path, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_missing_weight_is_named(tiny_pair, tmp_path):
+    import shutil
+
+    for f in tiny_pair[1].iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(KeyError, match="model.layers.1.mlp.down_proj.weight"):
+        ModelRunner(tmp_path, dtype="float32")
+
+
 def test_rejects_tp_size_not_dividing_kv_heads(tiny_pair):
     with pytest.raises(ValueError, match="kv heads .* divisible by tp_size"):
         ModelRunner(tiny_pair[1], dtype="float32", tp=TensorParallel(0, 4))  # 2 kv heads

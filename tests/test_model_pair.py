@@ -156,7 +156,11 @@ def _word_tokenizer(path: Path, words: list[str]) -> Path:
 
 def test_check_same_tokenizer(tmp_path):
     a = _word_tokenizer(tmp_path / "a", ["def", "return", "x"])
-    check_same_tokenizer(a, _word_tokenizer(tmp_path / "same", ["def", "return", "x"]))
+    same = _word_tokenizer(tmp_path / "same", ["def", "return", "x"])
+    check_same_tokenizer(a, same)  # byte-identical files
+    config = json.loads((same / "tokenizer_config.json").read_text())
+    (same / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 7}))
+    check_same_tokenizer(a, same)  # different files, same vocabulary and ids
     with pytest.raises(TokenizerMismatchError, match="vocab sizes differ: draft 4, target 5"):
         check_same_tokenizer(a, _word_tokenizer(tmp_path / "b", ["def", "return", "x", "y"]))
     with pytest.raises(TokenizerMismatchError, match="2 tokens with different ids"):

@@ -102,9 +102,11 @@ def test_requests_of_different_lengths_in_one_call_match_each_alone(runner_facto
         torch.testing.assert_close(together[rid], alone[rid], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batch_invariant_mode_is_bitwise_equal(runner_factory, dtype):
-    alone, together = _alone_and_together(runner_factory, dtype=dtype, batch_invariant=True)
+@pytest.mark.parametrize("dtype,row_block", [("float32", None), ("float32", 1),
+                                             ("bfloat16", None), ("bfloat16", 16)])
+def test_batch_invariant_mode_is_bitwise_equal(runner_factory, dtype, row_block):
+    alone, together = _alone_and_together(runner_factory, dtype=dtype, batch_invariant=True,
+                                          row_block=row_block)
     for rid in alone:
         assert torch.equal(together[rid], alone[rid]), rid
 

@@ -1,0 +1,189 @@
+"""Smoke test of the benchmark (benchmarks/) on the tiny pair, with tiny settings.
+
+Checks the report's structure (JSON, Markdown, plots) and that the guard against
+fast-but-wrong fires on a deliberately broken setting (the as-is arm: raw target
+probabilities) while passing the fixed one."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.__main__ import main, parse_args
+from benchmarks.guard import compare
+from benchmarks.run import parse_setting
+from benchmarks.stats import (
+    alpha_from_mean_accepted,
+    chi2_sf,
+    goodness_of_fit,
+    tokens_per_round,
+    two_sample_chi2,
+)
+
+
+def test_stats_helpers():
+    assert chi2_sf(0.0, 3) == pytest.approx(1.0)
+    assert chi2_sf(7.815, 3) == pytest.approx(0.05, abs=1e-3)  # the textbook 95 % quantile
+    assert tokens_per_round(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+    assert tokens_per_round(1.0, 4) == 5.0
+    a = alpha_from_mean_accepted(0.8 + 0.64 + 0.512, 3)
+    assert a == pytest.approx(0.8, abs=1e-6)
+    same = two_sample_chi2(Counter(a=50, b=50), Counter(a=52, b=48))
+    assert same["p_value"] > 0.5
+    diff = two_sample_chi2(Counter(a=90, b=10), Counter(a=10, b=90))
+    assert diff["p_value"] < 1e-10
+    assert goodness_of_fit(Counter(a=3, c=1), {"a": 0.5, "b": 0.5})["p_value"] == 0.0
+
+
+def test_settings_parse():
+    assert parse_setting("greedy").params == {"temperature": 0.0}
+    s = parse_setting("t0.6p0.9")
+    assert s.params == {"temperature": 0.6, "top_p": 0.9} and s.label == "T=0.6 top_p=0.9"
+    assert parse_setting("t1.0k20").params == {"temperature": 1.0, "top_k": 20}
+    with pytest.raises(ValueError):
+        parse_setting("hot")
+    args = parse_args(["--quick", "--ks", "2"])
+    assert args.ks == [2] and args.max_tokens == 32
+    assert parse_args([]).max_tokens == 128
+
+
+def test_guard_compare_flags_a_wrong_sample():
+    def outs(pieces_list):
+        return [SimpleNamespace(pieces=p) for p in pieces_list]
+
+    ref = outs([["1", "2"]] * 60 + [["3", "4"]] * 60)
+    good = outs([["1", "2"]] * 58 + [["3", "4"]] * 62)
+    bad = outs([["1", "2"]] * 100 + [["3", "4"]] * 20)
+    exact = {"1": 0.5, "3": 0.5}
+    assert not compare(ref, good, 2, exact, alpha=1e-3)["mismatch"]
+    assert compare(ref, bad, 2, exact, alpha=1e-3)["mismatch"]
+
+
+def test_benchmark_smoke(tiny_pair, tmp_path):
+    draft, target = tiny_pair
+    out = tmp_path / "bench"
+    rc = main([
+        "--draft", str(draft), "--target", str(target), "--out", str(out),
+        "--ks", "2", "--settings", "greedy,t0.6p0.9", "--raw-settings", "t0.6p0.9",
+        "--concurrency", "1,2", "--max-tokens", "6", "--num-prompts", "2",
+        "--datasets", "humaneval,prose",
+        "--guard-n", "32", "--guard-k", "2", "--guard-tokens", "2", "--guard-concurrency", "32",
+        "--hf-prompts", "1", "--hf-settings", "greedy", "--no-progress",
+    ])
+    report = json.loads((out / "results.json").read_text())
+    assert rc == 0, report["verdict"]
+
+    cells = report["cells"]
+    keys = {(c["setting"], c["mode"], c["k"], c["concurrency"]) for c in cells}
+    for conc in (1, 2):
+        assert ("greedy", "target-only", 0, conc) in keys
+        assert ("greedy", "fixed", 2, conc) in keys
+        assert ("greedy", "as-is", 2, conc) not in keys  # raw mode is skipped for greedy
+        for mode in ("target-only", "fixed", "as-is"):
+            assert ("t0.6p0.9", mode, 0 if mode == "target-only" else 2, conc) in keys
+    for c in cells:
+        assert c["tokens"] == c["requests"] * 6  # fixed length: min_tokens = max_tokens
+        assert c["tokens_per_s"] > 0 and c["speedup"] > 0
+        assert c["by_dataset"].keys() == {"humaneval", "prose"}
+        assert c["target_passes"] > 0 and c["bandwidth_gbps"] > 0
+        if c["mode"] == "target-only":
+            assert c["speedup"] == 1.0 and c["draft_passes"] == 0
+        else:
+            assert 0.0 <= c["alpha"] <= 1.0
+            assert 0.0 <= c["overlap_tested"] <= 1.0
+            assert abs(c["overlap_z"]) < 4  # measured acceptance agrees with Σ min(p, q)
+            assert c["tokens_per_round_analytic"] == pytest.approx(
+                tokens_per_round(c["alpha"], c["k"]))
+            assert c["system_efficiency"] == pytest.approx(
+                c["emitted"] / (c["rounds"] + c["proposed"]))
+    greedy = next(c for c in cells if c["setting"] == "greedy" and c["mode"] == "fixed")
+    assert greedy["overlap_z"] == 0.0  # greedy acceptance is exactly argmax agreement
+
+    guard = report["guard"]
+    assert guard["n_per_arm"] == 32 and guard["exact_first_probs"]
+    assert not guard["fixed_mismatch"]  # the correct sampler passes
+    assert guard["arms"]["as-is"]["mismatch"]  # the deliberately broken one is flagged
+    assert guard["control_detected"] is True
+    assert report["verdict"]["ok"]
+
+    hf = report["transformers"]["rows"]
+    assert {(r["setting"], r["mode"]) for r in hf} == {("greedy", "target-only"),
+                                                        ("greedy", "assisted")}
+    assert all(r["tokens"] == 6 for r in hf)
+
+    md = (out / "report.md").read_text()
+    assert "| K | acceptance as-is | acceptance fixed | system efficiency as-is" in md
+    assert "MISMATCH (control: must be flagged)" in md
+    for png in ("acceptance_vs_k.png", "tokens_per_s_vs_k.png", "asis_vs_fixed.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+class _EngineBackend:
+    """openai_api.Backend over the in-process engine (one request at a time)."""
+
+    def __init__(self, engine, name: str):
+        import threading
+
+        self.engine, self.model_name = engine, name
+        self.max_context = engine.info.max_context
+        self.lock = threading.Lock()
+
+    async def generate(self, request):
+        import anyio
+
+        def run():
+            with self.lock:
+                return self.engine.generate([request], batch_size=1)[0]
+
+        return await anyio.to_thread.run_sync(run)
+
+
+def test_benchmark_over_http(tiny_pair, tmp_path):
+    """--url: the same sweep through a running app's OpenAI API (uvicorn in a thread)."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from deployments import openai_api
+    from specdec.local import LocalEngine
+
+    draft, target = tiny_pair
+    openai_api.app.state.backend = _EngineBackend(LocalEngine(draft, target), "tiny")
+    srv = uvicorn.Server(uvicorn.Config(openai_api.app, host="127.0.0.1", port=0,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not srv.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        port = srv.servers[0].sockets[0].getsockname()[1]
+        out = tmp_path / "bench-http"
+        rc = main([
+            "--url", f"http://127.0.0.1:{port}", "--draft", str(draft), "--target", str(target),
+            "--out", str(out), "--ks", "2", "--settings", "t0.6p0.9", "--raw-settings", "all",
+            "--concurrency", "2", "--max-tokens", "4", "--num-prompts", "2",
+            "--guard-n", "24", "--guard-k", "2", "--guard-tokens", "2",
+            "--guard-concurrency", "4", "--no-progress",
+        ])
+    finally:
+        srv.should_exit = True
+        thread.join(5)
+        openai_api.app.state.backend = None
+    report = json.loads((out / "results.json").read_text())
+    assert rc == 0, report["verdict"]
+    assert report["engine"]["backend"] == "http"
+    modes = {(c["mode"], c["k"]) for c in report["cells"]}
+    assert modes == {("target-only", 0), ("fixed", 2), ("as-is", 2)}
+    for c in report["cells"]:
+        assert c["tokens"] == c["requests"] * 4 and c["tokens_per_s"] > 0
+        if c["k"]:
+            assert c["alpha_source"] == "solved from mean accepted per round"
+    assert report["guard"]["exact_first_probs"]
+    assert not report["guard"]["fixed_mismatch"] and report["guard"]["control_detected"]
+    assert report["transformers"] is None  # a remote app: no in-process baseline
