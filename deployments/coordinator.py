@@ -57,7 +57,9 @@ class CoordinatorConfig(BaseModel):
     retry_backoff_s: float = 0.5
 
 
-@serve.deployment(name="Coordinator")
+# A replaced replica (redeploy, downscale) keeps serving its open streams until they end:
+# a long generation on a CPU takes minutes, far past Serve's 20 s default.
+@serve.deployment(name="Coordinator", graceful_shutdown_timeout_s=300)
 @serve.ingress(openai_api.app)
 class Coordinator:
     def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, config: dict):
