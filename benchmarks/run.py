@@ -326,6 +326,7 @@ def run(args) -> dict:
                              datasets=[p.dataset for p in chosen]))
         results.append(row)
         outputs_by_cell[(s.key, mode, k, c)] = outs
+        _write_partial(args.out, results)
     # Speedup against target-only measured in this run (same setting, same concurrency).
     for row in results:
         base = next(r for r in results if r["setting"] == row["setting"]
@@ -449,6 +450,16 @@ def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> list[Path]
     p.write_text(markdown(report, images=[i.name for i in images]))
     paths.append(p)
     return paths
+
+
+def _write_partial(out: str, results: list[dict]) -> None:
+    """The cells so far (out/partial.json), to follow a long run or keep a crashed one."""
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "partial.json").write_text(json.dumps(_clean(results), indent=1,
+                                                        default=_json_default))
+    except OSError:
+        pass
 
 
 def _clean(o):

@@ -68,7 +68,8 @@ def test_benchmark_smoke(tiny_pair, tmp_path):
     rc = main([
         "--draft", str(draft), "--target", str(target), "--out", str(out),
         "--ks", "2", "--settings", "greedy,t0.6p0.9", "--raw-settings", "t0.6p0.9",
-        "--concurrency", "1,2", "--max-tokens", "6", "--num-prompts", "2",
+        "--concurrency", "1,2", "--batched-settings", "all", "--batched-as-is",
+        "--max-tokens", "6", "--num-prompts", "2",
         "--datasets", "humaneval,prose",
         "--guard-n", "32", "--guard-k", "2", "--guard-tokens", "2", "--guard-concurrency", "32",
         "--hf-prompts", "1", "--hf-settings", "greedy", "--no-progress",
@@ -167,7 +168,7 @@ def test_benchmark_over_http(tiny_pair, tmp_path):
         rc = main([
             "--url", f"http://127.0.0.1:{port}", "--draft", str(draft), "--target", str(target),
             "--out", str(out), "--ks", "2", "--settings", "t0.6p0.9", "--raw-settings", "all",
-            "--concurrency", "2", "--max-tokens", "4", "--num-prompts", "2",
+            "--concurrency", "2", "--batched-as-is", "--max-tokens", "4", "--num-prompts", "2",
             "--guard-n", "24", "--guard-k", "2", "--guard-tokens", "2",
             "--guard-concurrency", "4", "--no-progress",
         ])

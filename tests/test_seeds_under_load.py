@@ -5,8 +5,8 @@ lengths and parameters.
 Counter-based randomness removes the random-stream part; what remains is numeric: a matmul
 whose result for one row depends on the batch shape (another kernel, another reduction
 order) can flip a sampling or acceptance decision. `ModelRunner(batch_invariant=True)` runs
-every linear layer on fixed blocks of 16 rows, so a row's numbers cannot depend on the rest
-of the batch; attention is per request already.
+every linear layer on fixed row blocks (16 rows; 1 for bf16 on CPU), so a row's numbers
+cannot depend on the rest of the batch; attention is per request already.
 
 The harness drives `LocalEngine.step`, i.e. exactly the batched `run_draft` / `run_target`
 calls the Draft and Target deployments make for a `@serve.batch`, over a schedule that
@@ -22,8 +22,17 @@ Two detectors, from sharp to end-to-end:
 its K-split from the number of rows: the harness must report differences with it and
 batch_invariant=False, and none with batch_invariant=True (that the tests can fail).
 
+What was found on the 2-core AVX2 machine (docs/reliability.md): fp32 GEMMs are batch-
+variant (the tiny pair's logits differ by ~1e-5 without the mode, never with it) but flip
+no token in 208 requests; bf16 GEMMs are a row-by-row kernel there, batch-invariant by
+themselves (the real target's logits are bit-identical either way) and ~1 s per target row,
+which is why the real-pair check here is a small logits check.
+
 Run as a script for the large measurements (docs/reliability.md):
-    .venv/bin/python tests/test_seeds_under_load.py --pair real --n 200 --out docs/seeds_real.json
+    PYTHONPATH=.:tests .venv/bin/python tests/test_seeds_under_load.py --pair tiny --n 208 \
+        --threads 1 --out docs/seeds_tiny_fp32.json
+    PYTHONPATH=.:tests .venv/bin/python tests/test_seeds_under_load.py --pair real --n 200 \
+        --out docs/seeds_real.json      # hours on the 2-core CPU (bf16 ~1 s per target row)
 """
 
 from __future__ import annotations
@@ -242,13 +251,14 @@ def compare_seeded(engine: LocalEngine, n: int, *, group: int = 8, seed: int = 0
     }
 
 
-def logit_batch_dependence(runner, n_requests: int = 8, seed: int = 0, decode_rows: int = 5) -> dict:
+def logit_batch_dependence(runner, n_requests: int = 8, seed: int = 0, decode_rows: int = 5,
+                           max_prompt: int = 40) -> dict:
     """Logits of each request alone vs in one batch with the others (prefill of different
     lengths, then a decode step of `decode_rows` rows each); counts requests whose logits
     are not bit-identical, and the largest difference."""
     rng = random.Random(seed)
     vocab = min(runner.vocab_size, 30_000)
-    prompts = [[rng.randrange(200, vocab) for _ in range(rng.randint(3, 40))] for _ in range(n_requests)]
+    prompts = [[rng.randrange(200, vocab) for _ in range(rng.randint(3, max_prompt))] for _ in range(n_requests)]
     extra = [[rng.randrange(200, vocab) for _ in range(decode_rows)] for _ in range(n_requests)]
 
     def run(order):
@@ -358,23 +368,25 @@ def test_harness_detects_a_batch_variant_kernel(tiny_engine, tiny_engine_2):
         for on in (False, True):
             set_batch_invariant(tiny_engine, on)
             set_batch_invariant(tiny_engine_2, on)
-            results[on] = compare_seeded(tiny_engine, 32, group=16, seed=2, alone_engine=tiny_engine_2)
+            results[on] = compare_seeded(tiny_engine, 16, group=16, seed=2, alone_engine=tiny_engine_2)
     variant, invariant = results[False], results[True]
     print("emulated split-K: batch_invariant=False", variant, "True", invariant)
     assert variant["differing"] > 0, variant
     assert invariant["differing"] == 0, invariant
 
 
-def test_real_pair_seeded_output_unchanged_under_load(real_pair):
-    """The real pair in bf16, batch_invariant=True: logits bit-identical in any batch and
-    a few seeded requests unchanged beside 8-16 others."""
-    engine = load_engine(real_pair, "bfloat16")
-    set_batch_invariant(engine, True)
-    logits = logit_batch_dependence(engine.target, n_requests=4)
-    assert logits["differing_requests"] == 0, logits
-    result = compare_seeded(engine, 8, group=8, seed=3)
-    print("real pair, batch_invariant=True:", logits, result)
-    assert result["differing"] == 0, result
+def test_real_pair_logits_batch_invariant(real_pair):
+    """The real pair's target in bf16, default setting: each request's logits (prefill and a
+    5-row verify) are bit-identical alone and batched with others of other lengths, so no
+    seeded output can change under load. On this CPU the bf16 GEMM costs in proportion to
+    its rows (a row-by-row kernel, ~0.6 s per row of the 1.5B target), which is why it is
+    batch-invariant and why this check stays this small; docs/reliability.md has the rest."""
+    from specdec.runner import ModelRunner
+
+    runner = ModelRunner(real_pair[1], dtype="bfloat16")
+    result = logit_batch_dependence(runner, n_requests=3, max_prompt=10)
+    print("real target, batch_invariant=False:", result)
+    assert result["differing_requests"] == 0, result
 
 
 # ---- through Serve ------------------------------------------------------------------------------
