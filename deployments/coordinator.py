@@ -65,8 +65,10 @@ class Coordinator:
     def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, config: dict):
         self.config = CoordinatorConfig.model_validate(config)
         self.draft, self.target = draft, target
-        draft_dir = resolve_model(self.config.draft_model, cache_dir=self.config.cache_dir)
-        target_dir = resolve_model(self.config.target_model, cache_dir=self.config.cache_dir)
+        draft_dir = resolve_model(self.config.draft_model, cache_dir=self.config.cache_dir,
+                                  weights=False)
+        target_dir = resolve_model(self.config.target_model, cache_dir=self.config.cache_dir,
+                                   weights=False)
         check_same_tokenizer(draft_dir, target_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.model_name = self.config.served_model_name

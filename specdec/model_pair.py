@@ -304,9 +304,10 @@ def ensure_tokenizer(cache_dir=None, *, wheel_dir=None, verbose: bool = False) -
 # --------------------------------------------------------------------------- resolution
 
 
-def resolve_model(name_or_path, cache_dir=None) -> Path:
+def resolve_model(name_or_path, cache_dir=None, *, weights: bool = True) -> Path:
     """A model folder for "default-draft" / "default-target", a local folder holding
-    config.json, or a Hugging Face hub id (downloaded only because the user named it)."""
+    config.json, or a Hugging Face hub id (downloaded only because the user named it;
+    `weights=False` fetches config and tokenizer only, for processes that need no weights)."""
     name = str(name_or_path)
     if name in DEFAULT_MODELS:
         return ensure_model(DEFAULT_MODELS[name], cache_dir)
@@ -320,7 +321,9 @@ def resolve_model(name_or_path, cache_dir=None) -> Path:
                                 "model folder and not a hub id of the form 'org/name'")
     from huggingface_hub import snapshot_download  # only for hub ids the user names
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.tiktoken"]
+    patterns = ["*.json", "tokenizer*", "*.txt", "*.model", "*.tiktoken"]
+    if weights:
+        patterns.append("*.safetensors")  # never *.bin / *.pt: no pickle
     return Path(snapshot_download(name, allow_patterns=patterns))
 
 

@@ -183,3 +183,24 @@ def test_real_pair_cache(real_pair):
             assert str(f.get_slice(name).get_dtype()) in ("BF16", "bfloat16")
     check_same_tokenizer(*real_pair)
     assert resolve_model("default-target") == real_pair[1]
+
+
+def test_hub_ids_fetch_safetensors_weights_only_where_needed(monkeypatch, tmp_path):
+    """A hub id goes to snapshot_download (no hub here, so it is recorded, not called):
+    never pickle files; the coordinator (weights=False) fetches config and tokenizer only."""
+    import huggingface_hub
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, allow_patterns):
+        calls.append((repo_id, allow_patterns))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert resolve_model("meta-llama/Meta-Llama-3-8B-Instruct") == tmp_path
+    assert resolve_model("meta-llama/Meta-Llama-3-8B-Instruct", weights=False) == tmp_path
+    (repo, with_weights), (_, without) = calls
+    assert repo == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert "*.safetensors" in with_weights and "*.safetensors" not in without
+    assert "tokenizer*" in without and "*.json" in without
+    assert not any(p.endswith((".bin", ".pt", ".pth", ".pkl")) for p in with_weights)
