@@ -42,8 +42,9 @@ class RunnerConfig(BaseModel):
     # Ranks of one replica (heads and MLP sharded, KV cache by head). The deployment's
     # placement_group_bundles must hold one bundle per rank; rank i runs in bundle i.
     tensor_parallel_size: int = Field(1, ge=1)
-    # Fixed-shape matmul blocks, so a row's numerics do not depend on the rest of the
-    # batch: seeded output stays identical under load (issue 7). Costs some speed.
+    # Fixed-shape matmul blocks and one-row attention, so a position's numbers depend neither
+    # on the rest of the batch nor on how many positions are fed together: seeded output stays
+    # identical under load, across K and after a re-prefill (issue 7). Costs some speed.
     batch_invariant: bool = False
 
 

@@ -264,16 +264,27 @@ class Qwen2Model:
             seg.cache.v[i, :, s : s + n] = v[r].transpose(0, 1)
             keys = seg.cache.k[i, :, : s + n].unsqueeze(0)
             vals = seg.cache.v[i, :, : s + n].unsqueeze(0)
-            mask = None
-            if n > 1 and s > 0:  # causal, offset by the cached prefix
-                qpos = torch.arange(s, s + n, device=x.device)[:, None]
-                mask = torch.arange(s + n, device=x.device)[None, :] <= qpos
-            o = F.scaled_dot_product_attention(
-                q[r].transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=mask,
-                is_causal=(n > 1 and s == 0), enable_gqa=(H != KV))
-            out[r] = o[0].transpose(0, 1)
+            out[r] = self._attend(q[r].transpose(0, 1).unsqueeze(0), keys, vals, s)[0].transpose(0, 1)
             row += n
         return self._row_parallel(out.reshape(-1, H * D), layer["o"], layer["o_bias"])
+
+    def _attend(self, q, keys, vals, start: int):
+        """q [1, H, n, D] at positions start.. over keys / vals [1, KV, start + n, D], causal."""
+        n, gqa = q.shape[2], self.heads != self.kv_heads
+        if self.row_block is not None:
+            # Invariant mode: each position attends exactly as a one-row decode step would, so
+            # its output does not depend on how many positions are computed together (prefill,
+            # a K+1-row verify, a re-prefill after failover); SDPA blocks by query length.
+            return torch.cat([
+                F.scaled_dot_product_attention(q[:, :, j : j + 1], keys[:, :, : start + j + 1],
+                                               vals[:, :, : start + j + 1], enable_gqa=gqa)
+                for j in range(n)], dim=2)
+        mask = None
+        if n > 1 and start > 0:  # causal, offset by the cached prefix
+            qpos = torch.arange(start, start + n, device=q.device)[:, None]
+            mask = torch.arange(start + n, device=q.device)[None, :] <= qpos
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask,
+                                              is_causal=(n > 1 and start == 0), enable_gqa=gqa)
 
     def _mlp(self, layer, x):
         gate, up = self._linear(x, layer["gate_up"]).chunk(2, -1)

@@ -66,9 +66,10 @@ class ModelRunner:
     """Runs one model (or one tensor-parallel rank of it) over many requests' KV caches.
 
     Not re-entrant: one caller at a time (a lock serialises calls; the deployment already
-    does). `batch_invariant=True` computes every matmul in fixed blocks of `row_block` rows so
-    that a request's logits do not depend on which other requests share the forward pass
-    (attention is per request already). Measured on the 2-core AVX2 machine: bf16 matmul rows
+    does). `batch_invariant=True` computes every matmul in fixed blocks of `row_block` rows and
+    each position's attention as a one-row decode step would, so that a position's logits
+    depend neither on which other requests share the forward pass nor on how many of its own
+    positions are fed together (prefill, verify, decode). Measured on the 2-core AVX2 machine: bf16 matmul rows
     were already independent of the batch (bitwise, 1..1024 rows), fp32 ones were not (1-3
     rows vs 4+ differ), so the mode matters for fp32 and for other backends."""
 

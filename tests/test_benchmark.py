@@ -47,7 +47,8 @@ def test_settings_parse():
         parse_setting("hot")
     args = parse_args(["--quick", "--ks", "2"])
     assert args.ks == [2] and args.max_tokens == 32
-    assert parse_args([]).max_tokens == 128
+    assert parse_args([]).max_tokens == 40
+    assert parse_args(["--full"]).max_tokens == 128
 
 
 def test_guard_compare_flags_a_wrong_sample():

@@ -111,6 +111,37 @@ def test_batch_invariant_mode_is_bitwise_equal(runner_factory, dtype, row_block)
         assert torch.equal(together[rid], alone[rid]), rid
 
 
+def _logits_by_schedule(runner, ids, prompt_len, ends):
+    """Logits for positions prompt_len-1 .. len(ids)-1 of one request, fed in chunks ending
+    at `ends` (a prefill of the prompt first)."""
+    got = [runner.extend([("r", ids[:prompt_len], 1)])[0]]
+    done = prompt_len
+    for end in ends:
+        got.append(runner.extend([("r", ids[:end], end - done)])[0])
+        done = end
+    runner.release("r")
+    return torch.cat(got)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_mode_is_invariant_to_how_positions_are_fed(runner_factory, dtype):
+    """A position's logits are bit-identical whether it comes in a whole prefill, a K+1-row
+    verify or a one-token decode (so greedy speculative == greedy target-only exactly, and a
+    re-prefill after failover changes nothing). Without the mode they are not (the check
+    can fail)."""
+    ids, prompt_len = _prompt(48, seed=3), 12
+    schedules = {"prefill": [48], "verify": list(range(17, 48, 5)) + [48],
+                 "decode": list(range(13, 49))}
+    results = {}
+    for invariant in (True, False):
+        runner = runner_factory(dtype=dtype, batch_invariant=invariant)
+        got = {name: _logits_by_schedule(runner, ids, prompt_len, ends)
+               for name, ends in schedules.items()}
+        results[invariant] = [torch.equal(got["decode"], got[name]) for name in ("prefill", "verify")]
+    assert results[True] == [True, True]
+    assert results[False] != [True, True]
+
+
 def test_capacity_error_when_the_call_alone_does_not_fit(runner_factory):
     runner = runner_factory(max_cache_tokens=50)
     runner.extend([("a", _prompt(20), 1)])
