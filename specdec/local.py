@@ -29,9 +29,11 @@ class LocalEngine:
         num_speculative_tokens: int = 4,
         dtype: str = "bfloat16",
         max_cache_tokens: int = 1 << 20,
+        batch_invariant: bool = False,
     ):
-        self.draft = ModelRunner(draft_dir, dtype=dtype, max_cache_tokens=max_cache_tokens)
-        self.target = ModelRunner(target_dir, dtype=dtype, max_cache_tokens=max_cache_tokens)
+        kw = dict(dtype=dtype, max_cache_tokens=max_cache_tokens, batch_invariant=batch_invariant)
+        self.draft = ModelRunner(draft_dir, **kw)
+        self.target = ModelRunner(target_dir, **kw)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.info = ModelInfo(
             tokenizer=tokenizer,
