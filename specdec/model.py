@@ -271,7 +271,7 @@ class Qwen2Model:
     def _attend(self, q, keys, vals, start: int):
         """q [1, H, n, D] at positions start.. over keys / vals [1, KV, start + n, D], causal."""
         n, gqa = q.shape[2], self.heads != self.kv_heads
-        if self.row_block is not None:
+        if self.row_block is not None and n > 1:  # one row: the plain call below is the same
             # Invariant mode: each position attends exactly as a one-row decode step would, so
             # its output does not depend on how many positions are computed together (prefill,
             # a K+1-row verify, a re-prefill after failover); SDPA blocks by query length.
