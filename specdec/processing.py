@@ -39,9 +39,17 @@ output never holds NaN.
 Implementation: the arithmetic is vLLM's, in its order (so ties that penalties create
 stay ties). Steps 2-6 touch only the listed tokens (sparse index ops); min_p and top-k are
 one per-row cut (together equal to vLLM's min_p, then top-k); top-p looks at the row's top
-64 tokens (one topk shared with top-k, no sort of the vocabulary) and only rows whose kept
-set is larger go through a histogram of log-probabilities (a radix select). Rows with
-different parameters share every pass; no loop runs over the vocabulary.
+max(64, top_k) tokens (one topk shared with top-k, no sort of the vocabulary) and only rows
+whose kept set is larger go through a histogram of log-probabilities (a radix select). Rows
+with different parameters share every pass; no loop runs over the vocabulary.
+
+Batch invariance: each row's result is bitwise the same alone or in any batch, at any
+position and with any number of CPU threads (tests/test_processing.py compares with
+`torch.equal`). No row's parameters change how another row is computed (a row's top-p
+window width is its own), and the sums over the vocabulary are `row_sum`, a pairwise tree
+of elementwise additions, instead of torch's `sum`, whose order depends on how many rows
+are reduced and on the thread count. The remaining reductions (max, cumsum, sort, topk,
+scatter-add along a row, softmax) run row by row in a fixed order on CPU.
 """
 
 from __future__ import annotations
@@ -288,13 +296,14 @@ def _filter(z: Tensor, b: _Batch, greedy: Tensor, row_max: Tensor) -> tuple[Tens
     top_k = b.param(lambda p: p.top_k, torch.long)
     top_p = b.param(lambda p: p.top_p).masked_fill(greedy, 1.0)
     use_k = (top_k > 0) & (top_k < vocab) & ~greedy
-    width = min(vocab, max([TOP_P_WINDOW] + top_k[use_k].tolist()))
+    # Each row's own window width: another row's top_k must not change how this row is cut.
+    width = torch.where(use_k, top_k.clamp(min=TOP_P_WINDOW), TOP_P_WINDOW).clamp(max=vocab)
     win = _window(z, use_k | (top_p < 1), width)
     cut = _min_p_top_k_cut(min_p, top_k, use_k, row_max, win)
     if cut is not None:
         z.masked_fill_(z < cut.unsqueeze(1), NEG_INF)
     probs = torch.sub(z, row_max.unsqueeze(1)).exp_()
-    total = probs.sum(dim=1)
+    total = row_sum(probs)
     p_rows = (top_p < 1).nonzero().squeeze(1)
     if len(p_rows):
         total = _filter_top_p(z, probs, total, top_p, p_rows, row_max, cut, win)
@@ -412,19 +421,30 @@ def _repetition(z: Tensor, b: _Batch, rep: Tensor) -> None:
 class _Window(NamedTuple):
     """The largest logits of the rows that need top-k or top-p: one topk serves both."""
 
-    vals: Tensor  # [n, W] logits after temperature, descending
-    idx: Tensor  # [n, W] their token ids
+    vals: Tensor  # [n, W] logits after temperature, descending; -inf past the row's width
+    idx: Tensor  # [n, W] their token ids (0 past the row's width)
+    width: Tensor  # [n] the row's own width: max(TOP_P_WINDOW, its top_k), at most V
     pos: Tensor  # [R] row -> index into vals (-1: the row has no window)
 
 
-def _window(z: Tensor, need: Tensor, width: int) -> _Window | None:
+def _window(z: Tensor, need: Tensor, width: Tensor) -> _Window | None:
+    """One topk per distinct width, so a row's window is what it would be alone."""
     rows = need.nonzero().squeeze(1)
     if not len(rows):
         return None
-    vals, idx = _take(z, rows).topk(width, dim=1)
+    w = width[rows]
+    widths = torch.unique(w).tolist()
+    if len(widths) == 1:
+        vals, idx = _take(z, rows).topk(widths[0], dim=1)
+    else:
+        vals = z.new_full((len(rows), widths[-1]), NEG_INF)
+        idx = torch.zeros(len(rows), widths[-1], dtype=torch.long, device=z.device)
+        for width_g in widths:
+            g = (w == width_g).nonzero().squeeze(1)
+            vals[g, :width_g], idx[g, :width_g] = z[rows[g]].topk(width_g, dim=1)
     pos = torch.full((z.shape[0],), -1, dtype=torch.long, device=z.device)
     pos[rows] = torch.arange(len(rows), device=z.device)
-    return _Window(vals, idx, pos)
+    return _Window(vals, idx, w, pos)
 
 
 def _min_p_top_k_cut(
@@ -460,27 +480,28 @@ def _filter_top_p(
     total = total.clone()
     target = top_p[rows].double() * total[rows].double()
     local = win.pos[rows]
-    vals, idx = win.vals[local], win.idx[local]
+    vals, idx, width = win.vals[local], win.idx[local], win.width[local]
     floor = torch.full_like(row_max[rows], NEG_INF) if cut is None else cut[rows]
     in_window = (vals - row_max[rows].unsqueeze(1)).exp()
     in_window = in_window.masked_fill_(vals < floor.unsqueeze(1), 0.0)  # min_p / top-k cuts
-    width = vals.shape[1]
-    cum = in_window.double().cumsum(dim=1)
-    last = (cum < target.unsqueeze(1)).sum(dim=1).clamp(max=width - 1)
+    cum = in_window.double().cumsum(dim=1)  # zeros past a row's width add nothing
+    last = torch.minimum((cum < target.unsqueeze(1)).sum(dim=1), width - 1)
     threshold = in_window.gather(1, last.unsqueeze(1)).squeeze(1)
+    smallest = in_window.gather(1, (width - 1).unsqueeze(1)).squeeze(1)
     # The window holds the whole kept set, ties included, unless the cut is its last value.
-    fast = (cum[:, -1] >= target) & (threshold > in_window[:, -1]) | (width == z.shape[1])
+    fast = (cum[:, -1] >= target) & (threshold > smallest) | (width == z.shape[1])
     if fast.any():
         f = fast.nonzero().squeeze(1)
         keep = in_window[f] >= threshold[f].unsqueeze(1)
+        keep &= torch.arange(keep.shape[1], device=z.device) < width[f].unsqueeze(1)
+        rf, idx_f = rows[f], idx[f]
+        kept_p = torch.where(keep, probs[rf.unsqueeze(1), idx_f], 0.0)
+        kept_z = z[rf.unsqueeze(1), idx_f]
+        z.index_fill_(0, rf, NEG_INF)
+        probs.index_fill_(0, rf, 0.0)
         at, col = keep.nonzero(as_tuple=True)
-        kr, kt = rows[f][at], idx[f][at, col]
-        kept_z, kept_p = z[kr, kt], probs[kr, kt]
-        z.index_fill_(0, rows[f], NEG_INF)
-        probs.index_fill_(0, rows[f], 0.0)
-        z[kr, kt], probs[kr, kt] = kept_z, kept_p
-        kept_mass = torch.zeros(len(f), dtype=torch.float64, device=z.device)
-        total[rows[f]] = kept_mass.index_add_(0, at, kept_p.double()).float()
+        z[rf[at], idx_f[at, col]], probs[rf[at], idx_f[at, col]] = kept_z[at, col], kept_p[at, col]
+        total[rf] = row_sum(kept_p.double()).float()
     if not fast.all():
         s = (~fast).nonzero().squeeze(1)
         _top_p_by_histogram(z, probs, total, rows[s], target[s], top_p[rows[s]], row_max)
@@ -520,16 +541,17 @@ def _top_p_by_histogram(
     pr.masked_fill_(drop, 0.0)
     if pr is not probs:
         z[rows], probs[rows] = zr, pr
-    total[rows] = pr.sum(dim=1)
+    total[rows] = row_sum(pr)
 
 
 def _sorted_threshold(vals: Tensor, row: Tensor, n: int, target: Tensor) -> Tensor:
     """Per row, the value at which the descending cumulative sum of `vals` (grouped by
     ascending `row`) first reaches `target`. A row that misses the target by rounding lands
-    on the zero padding: it keeps everything."""
-    desc = _pad_by_row(vals, row, n).sort(dim=1, descending=True).values
+    on the zero after its own values: it keeps everything (whatever the other rows hold)."""
+    counts = torch.bincount(row, minlength=n)
+    desc = _pad_by_row(vals, row, n, counts).sort(dim=1, descending=True).values
     reached = desc.double().cumsum(dim=1) < target.unsqueeze(1)
-    last = reached.sum(dim=1).clamp(max=desc.shape[1] - 1)
+    last = torch.minimum(reached.sum(dim=1), counts)
     return desc.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
@@ -551,12 +573,35 @@ def _unique_pairs(r: Tensor, t: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
     return key // vocab, key % vocab
 
 
-def _pad_by_row(vals: Tensor, row: Tensor, n: int) -> Tensor:
-    """Scatter values (grouped by ascending row) into an [n, max count] zero-padded tensor."""
-    counts = torch.bincount(row, minlength=n)
-    width = max(int(counts.max()) if len(counts) else 0, 1)
+def _pad_by_row(vals: Tensor, row: Tensor, n: int, counts: Tensor) -> Tensor:
+    """Scatter values (grouped by ascending row) into an [n, max count + 1] zero-padded
+    tensor: every row ends with at least one zero."""
+    width = (int(counts.max()) if len(counts) else 0) + 1
     starts = torch.cumsum(counts, 0) - counts
     pos = torch.arange(len(row), device=row.device) - starts[row]
     out = torch.zeros(n, width, dtype=vals.dtype, device=vals.device)
     out[row, pos] = vals
     return out
+
+
+def row_sum(x: Tensor) -> Tensor:
+    """Sum of each row of x [R, C] in a fixed order: a pairwise tree over the columns,
+    zero-padded to a power of two (column i + P/2 is added to column i, P halving).
+
+    torch's `sum` splits a long row between threads when few rows are reduced, so its
+    rounding depends on the batch and the thread count. Elementwise additions round the
+    same on every path, so this sum is bitwise the same for a row alone or in any batch,
+    with any number of threads and any zero padding on the right."""
+    rows, w = x.shape
+    if w <= 1:
+        return x.sum(dim=1) if w else x.new_zeros(rows)
+    span = 1 << (w - 1).bit_length()  # the padded width
+    half = span // 2
+    acc = x[:, :half].clone()
+    acc[:, : w - half] += x[:, half:w]
+    w = half
+    while w > 1:
+        half = w // 2
+        acc[:, :half] += acc[:, half:w]
+        w = half
+    return acc[:, 0].clone()

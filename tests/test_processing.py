@@ -447,3 +447,114 @@ def test_property_batch_position_does_not_matter(case, position):
     out = process_logits(batch, rows)
     alone = one(logits.tolist(), req, output)
     assert torch.allclose(out.probs[position], alone.probs, atol=1e-7)
+
+
+# ---- bitwise independence of the batch and of the thread count -----------------------------
+# A row's probabilities must be the same bits alone, beside any other rows, at any position
+# in the batch and with any number of threads: no parameter of one row may change how another
+# is computed, and every reduction runs in a fixed order. `torch.equal`, not `allclose`.
+
+
+def _pool(vocab: int) -> list[RequestSampling]:
+    """Requests whose rows take every path: greedy, top-k wider and narrower than the top-p
+    window, top-p through the window and through the histogram, min_p, penalties, masks."""
+    return [
+        request(),
+        request(temperature=0.7),
+        request(temperature=0),
+        request(temperature=0, repetition_penalty=1.3, prompt=[1, 2]),
+        request(top_p=0.5),
+        request(top_p=0.95, temperature=1.3),
+        request(top_k=1000),
+        request(top_k=5, top_p=0.9),
+        request(top_k=2000, top_p=0.7, temperature=0.8),
+        request(min_p=0.05, temperature=0.9),
+        request(temperature=0.6, top_p=0.9, repetition_penalty=1.2, frequency_penalty=0.3,
+                presence_penalty=0.2, prompt=[3, 4, 5]),
+        request(allowed_token_ids=list(range(0, vocab, 3)), logit_bias={3: 2.0}, top_p=0.8),
+        request(bad=[(7,), (8, 9)], min_tokens=4, eos=[10], stop_token_ids=[11], top_k=50),
+    ]
+
+
+def _random_batch(pool, vocab, size, gen):
+    pick = torch.randint(0, len(pool), (size,), generator=gen).tolist()
+    rows = [
+        Row(pool[j], torch.randint(0, 12, (int(torch.randint(0, 6, (1,), generator=gen)),),
+                                   generator=gen).tolist())
+        for j in pick
+    ]
+    # flat rows (top-p by histogram) to peaked rows (top-p inside the window)
+    scale = torch.tensor([0.3, 1.0, 3.0, 8.0])[torch.randint(0, 4, (size, 1), generator=gen)]
+    logits = torch.randn(size, vocab, generator=gen) * scale
+    raw = (torch.rand(size, generator=gen) < 0.1).tolist()
+    return logits, rows, raw
+
+
+def _alone(logits, rows, raw, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return [process_logits(logits[i : i + 1], [row], raw=[raw[i]])
+                for i, row in enumerate(rows)]
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _assert_bitwise(batch: Processed, alone: list[Processed], rows) -> None:
+    for i, one_row in enumerate(alone):
+        assert torch.equal(batch.probs[i], one_row.probs[0]), (i, rows[i].request.params)
+        assert torch.equal(batch.logprobs[i], one_row.logprobs[0]), (i, rows[i].request.params)
+
+
+@pytest.mark.parametrize("vocab", [40_000, 151_936])
+def test_rows_are_bitwise_the_same_alone_and_in_mixed_batches_with_1_or_2_threads(vocab):
+    # 40,000 and 151,936 tokens: long enough that torch splits a row's reduction between
+    # two threads (its grain is 32,768 elements).
+    gen = torch.Generator().manual_seed(vocab)
+    pool = _pool(vocab)
+    sizes = [1, 2, 5, 16, 32] if vocab < 100_000 else [1, 16]
+    previous = torch.get_num_threads()
+    try:
+        for size in sizes:
+            logits, rows, raw = _random_batch(pool, vocab, size, gen)
+            reference = _alone(logits, rows, raw, threads=1)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                _assert_bitwise(process_logits(logits, rows, raw=raw), reference, rows)
+                if size > 1:  # another order: every row beside other neighbours
+                    perm = torch.randperm(size, generator=gen)
+                    shuffled = process_logits(logits[perm], [rows[i] for i in perm],
+                                              raw=[raw[i] for i in perm])
+                    _assert_bitwise(shuffled, [reference[i] for i in perm], rows)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_top_p_row_is_bitwise_the_same_beside_a_wide_top_k_row():
+    # A row's top-p window must not widen because another row asks for top_k=1000: the wider
+    # window moved rows from the histogram path to the window path (different rounding).
+    gen = torch.Generator().manual_seed(7)
+    top_p, wide_k = request(top_p=0.5), request(top_k=1000)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for trial in range(40):
+            logits = torch.randn(2, 8000, generator=gen) * (1.5 + trial / 20)
+            alone = process_logits(logits[:1], [Row(top_p, [])])
+            beside = process_logits(logits, [Row(top_p, []), Row(wide_k, [])])
+            assert torch.equal(beside.probs[0], alone.probs[0]), trial
+            assert torch.equal(beside.logprobs[0], alone.logprobs[0]), trial
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_row_sum_is_a_fixed_order_sum():
+    from specdec.processing import row_sum
+
+    x = torch.rand(5, 151_936)
+    assert torch.allclose(row_sum(x), x.double().sum(1).float())
+    assert torch.equal(row_sum(x)[2:3], row_sum(x[2:3]))
+    padded = torch.cat([x, torch.zeros(5, 100_000)], 1)  # zeros on the right change nothing
+    assert torch.equal(row_sum(padded), row_sum(x))
+    assert row_sum(torch.ones(3, 1)).tolist() == [1.0] * 3
+    assert row_sum(torch.ones(2, 0)).tolist() == [0.0, 0.0]
