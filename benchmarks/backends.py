@@ -1,8 +1,8 @@
 """Where the benchmark's requests run: the in-process engine (default) or a running app.
 
 Both backends take the same request dicts (``GenerateRequest`` fields) and return the same
-`Output` records and `RunStats`. The in-process backend is `specdec.local.LocalEngine`: its
-`step` is exactly one batched round of the Draft and Target deployments, so speculative and
+`Output` records and `RunStats`. The in-process backend is `specdec.local.LocalEngine`, driven
+by the same loop as its `generate` (`specdec.lockstep.run`); its `step` is exactly one batched round of the Draft and Target deployments, so speculative and
 target-only decoding run on the same engine; concurrency there is the engine's batch size
 (requests in lockstep). It also measures what only an in-process run can see: forward passes
 and their time per model, and Σₓ min(p(x), q(x)) at every scored proposal.
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import lockstep
 from specdec.api_types import GenerateRequest
 from specdec.generation import Generation, RoundResult
 from specdec.packing import unpack_probs
@@ -161,6 +162,27 @@ class _TimedRunner:
         return getattr(self.runner, name)
 
 
+class _StepAccount:
+    """`on_step` of one lockstep batch: step time and count, the first step (prefills),
+    progress in tokens."""
+
+    def __init__(self, stats: RunStats, gens, progress: Callable[[int], None] | None) -> None:
+        self.stats, self.gens, self.progress = stats, gens, progress
+        self.first, self.done = True, 0
+
+    def __call__(self, seconds: float) -> None:
+        self.stats.step_s += seconds
+        self.stats.rounds += 1
+        made = sum(len(g.output) for g in self.gens)
+        if self.first:
+            self.stats.first_step_s += seconds
+            self.stats.first_step_tokens += made
+            self.first = False
+        if self.progress is not None:
+            self.progress(made - self.done)
+        self.done = made
+
+
 def _first_probs(result) -> dict[str, float] | None:
     if not result.logprobs:
         return None
@@ -200,25 +222,8 @@ class LocalBackend:
                     for r in chunk]
             for g in gens:
                 g.recorder = rec
-            active, first, done = list(gens), True, 0
-            while active:
-                s0 = time.perf_counter()
-                eng.step(active)
-                dt = time.perf_counter() - s0
-                stats.step_s += dt
-                stats.rounds += 1
-                made = sum(len(g.output) for g in gens)
-                if first:
-                    stats.first_step_s += dt
-                    stats.first_step_tokens += made
-                    first = False
-                if progress is not None:
-                    progress(made - done)
-                done = made
-                active = [g for g in active if not g.finished]
+            lockstep.run(eng, gens, _StepAccount(stats, gens, progress))
             for g in gens:
-                eng.draft.release(g.request_id)
-                eng.target.release(g.request_id)
                 r = g.result()
                 outputs.append(Output(
                     num_tokens=len(r.token_ids), text=r.text, seed=r.seed,

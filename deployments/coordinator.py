@@ -18,18 +18,18 @@ import time
 from pathlib import Path
 from collections.abc import AsyncIterator
 
-from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
 
-from deployments import openai_api
+from deployments.config import AppConfig
+from deployments.http import make_app
 from deployments.metrics import CoordinatorMetrics
 from specdec.api_types import GenerateDelta, GenerateRequest, GenerateResult
 from specdec.errors import RequestError
 from specdec.generation import Generation, ModelInfo, RoundResult, RoundTimes, generate_stream
-from specdec.model_pair import check_same_tokenizer, resolve_model
+from specdec.models import check_same_tokenizer, resolve_model
 from specdec.params import SamplingParams
 from specdec.vocab import eos_token_ids
 from specdec.rounds import DraftCall, Proposal, ScoreCall, Scores
@@ -40,35 +40,20 @@ logger = logging.getLogger("ray.serve")
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
 
 
-class CoordinatorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    served_model_name: str = "specdec-qwen2.5-coder"
-    draft_model: str = "default-draft"
-    target_model: str = "default-target"
-    cache_dir: str | None = None
-    num_speculative_tokens: int = 4  # default K; a request may set its own (0 = target-only)
-    # A lost draft replica: standard-mode requests retry (another replica, or the
-    # replacement Serve starts) for up to this long, then run target-only rounds; that keeps
-    # a seeded text unchanged whenever a replica is back in time. Drafter-invariant requests
-    # go target-only at once: their text does not depend on the draft at all.
-    draft_retry_timeout_s: float = 30.0
-    target_retry_timeout_s: float = 120.0
-    retry_backoff_s: float = 0.5
-
-
 # A replaced replica (redeploy, downscale) keeps serving its open streams until they end:
 # a long generation on a CPU takes minutes, far past Serve's 20 s default.
+# The HTTP app is built per replica, around the replica itself (`__serve_build_asgi_app__`,
+# called by Serve after __init__): no module-level app and no shared state.
 @serve.deployment(name="Coordinator", graceful_shutdown_timeout_s=300)
-@serve.ingress(openai_api.app)
+@serve.ingress()
 class Coordinator:
     def __init__(self, draft: DeploymentHandle, target: DeploymentHandle, config: dict):
-        self.config = CoordinatorConfig.model_validate(config)
+        self.config = AppConfig.model_validate(config)
         self.draft, self.target = draft, target
-        draft_dir = resolve_model(self.config.draft_model, cache_dir=self.config.cache_dir,
-                                  weights=False)
-        target_dir = resolve_model(self.config.target_model, cache_dir=self.config.cache_dir,
-                                   weights=False)
+        draft_dir, target_dir = (
+            resolve_model(pool.model, cache_dir=self.config.cache_dir, weights=False)
+            for pool in (self.config.draft, self.config.target)
+        )
         check_same_tokenizer(draft_dir, target_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.model_name = self.config.served_model_name
@@ -82,7 +67,9 @@ class Coordinator:
             default_num_speculative_tokens=self.config.num_speculative_tokens,
         )
         self.max_context = self.info.max_context
-        openai_api.app.state.backend = self
+
+    def __serve_build_asgi_app__(self):
+        return make_app(self)
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         try:

@@ -10,52 +10,36 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
-from specdec.model_pair import resolve_model
-from specdec.rounds import DraftCall, Proposal, ScoreCall, Scores, run_draft, run_target
+from deployments.config import RunnerConfig
 from deployments.tensor_parallel import TensorParallelRunner, default_threads
+from specdec.models import resolve_model
+from specdec.rounds import DraftCall, Proposal, ScoreCall, Scores, run_draft, run_target
 from specdec.runner import ModelRunner
+
+__all__ = ["Draft", "RunnerConfig", "Target"]
 
 logger = logging.getLogger("ray.serve")
 
 
-class RunnerConfig(BaseModel):
-    """How one pool loads and runs its model (the `draft` / `target` args in ray_config.yaml)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str  # "default-draft" / "default-target", a local folder, or a hub id
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    max_cache_tokens: int = 65536  # KV cache bound, summed over the sequences it holds
-    num_threads: int | None = None  # torch threads; None = every core of the machine
-    max_batch_size: int = 16
-    batch_wait_timeout_s: float = 0.002
-    cache_dir: str | None = None  # where the default pair is converted and cached
-    # Ranks of one replica (heads and MLP sharded, KV cache by head). The deployment's
-    # placement_group_bundles must hold one bundle per rank; rank i runs in bundle i.
-    tensor_parallel_size: int = Field(1, ge=1)
-    # Fixed-shape matmul blocks and one-row attention, so a position's numbers depend neither
-    # on the rest of the batch nor on how many positions are fed together: seeded output stays
-    # identical under load, across K and after a re-prefill (issue 7). Costs some speed.
-    batch_invariant: bool = False
-
-
 class _ModelServer:
-    def __init__(self, config: dict | RunnerConfig):
+    batched: str  # the name of the subclass's @serve.batch method
+
+    def __init__(self, config: dict | RunnerConfig, cache_dir: str | None = None):
         self.config = RunnerConfig.model_validate(config)
+        method = getattr(self, self.batched)  # @serve.batch sized from the config
+        method.set_max_batch_size(self.config.max_batch_size)
+        method.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus; a CPU replica left at one
         # thread decodes at half speed on a 2-core machine. Tensor-parallel ranks share.
         tp_size = self.config.tensor_parallel_size
         torch.set_num_threads(self.config.num_threads or default_threads(tp_size))
-        path = resolve_model(self.config.model, cache_dir=self.config.cache_dir)
+        path = resolve_model(self.config.model, cache_dir=cache_dir)
         if tp_size > 1:
             self.runner = TensorParallelRunner(path, self.config, tp_size)
         else:
@@ -98,23 +82,17 @@ class _ModelServer:
 
 @serve.deployment(name="Draft")
 class Draft(_ModelServer):
-    def __init__(self, config: dict | RunnerConfig):
-        super().__init__(config)
-        self.propose.set_max_batch_size(self.config.max_batch_size)
-        self.propose.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
+    batched = "propose"
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    @serve.batch
     async def propose(self, calls: list[DraftCall]) -> list[Proposal]:
         return await self._run(self._batch, run_draft, calls)
 
 
 @serve.deployment(name="Target")
 class Target(_ModelServer):
-    def __init__(self, config: dict | RunnerConfig):
-        super().__init__(config)
-        self.score.set_max_batch_size(self.config.max_batch_size)
-        self.score.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
+    batched = "score"
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    @serve.batch
     async def score(self, calls: list[ScoreCall]) -> list[Scores]:
         return await self._run(self._batch, run_target, calls)

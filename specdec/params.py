@@ -13,7 +13,15 @@ import math
 import secrets
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from specdec.errors import RequestError
 
@@ -22,8 +30,15 @@ MIN_TEMPERATURE = 1e-2  # vLLM raises smaller positive temperatures to this (_MA
 MAX_TEMPERATURE = 2.0
 MAX_LOGPROBS = 20
 MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # K when neither the request nor the deployment sets it
 MAX_LOGIT_BIAS = 100.0  # vLLM and OpenAI clamp biases to [-100, 100]
 SEED_LIMIT = 2**63
+# Validation context key: refuse a logit bias outside [-100, 100] (OpenAI's HTTP API does)
+# instead of clamping it (vLLM's Python API does). The HTTP layer validates with it set:
+#     SamplingParams.model_validate(data, context={REFUSE_OUT_OF_RANGE_BIAS: True})
+REFUSE_OUT_OF_RANGE_BIAS = "refuse_out_of_range_bias"
+# This project's fields; every other field is vLLM's, with vLLM's name and meaning.
+PROJECT_FIELDS = ("num_speculative_tokens", "target_probs", "drafter_invariant")
 
 
 class SamplingParams(BaseModel):
@@ -36,35 +51,45 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # --- vLLM fields --------------------------------------------------------------------
-    n: int = 1
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    # The descriptions are also the HTTP API's (deployments/http/schemas.py derives its
+    # sampling fields from this model): keep them short, with the allowed range.
+    n: int = Field(1, description="Must be 1.")
+    temperature: float = Field(1.0, description="[0, 2]; 0 = greedy. Default 1.")
+    top_k: int = Field(0, description="0 or -1 = off, else >= 1.")
+    top_p: float = Field(1.0, description="(0, 1]; 1 = off.")
+    min_p: float = Field(0.0, description="[0, 1]; 0 = off.")
+    repetition_penalty: float = Field(1.0, description="> 0; 1 = off.")
+    presence_penalty: float = Field(0.0, description="[-2, 2].")
+    frequency_penalty: float = Field(0.0, description="[-2, 2].")
+    logit_bias: dict[int, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100]."
+    )
+    allowed_token_ids: list[int] | None = Field(None, description="Non-empty when set.")
     bad_words: list[str] = []
-    seed: int | None = None
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop: list[str] = []
+    seed: int | None = Field(None, description="[0, 2**63); omitted = drawn and returned.")
+    max_tokens: int = Field(16, description=">= 1.")
+    min_tokens: int = Field(0, description=">= 0 and <= max_tokens.")
+    stop: list[str] = Field([], description="A string or a list of strings.")
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, description="Top alternatives per token, [0, 20].")
 
-    # --- this project's fields ----------------------------------------------------------
-    num_speculative_tokens: int | None = None
+    # --- this project's fields (PROJECT_FIELDS) -------------------------------------------
+    num_speculative_tokens: int | None = Field(
+        None, description="Draft tokens per round, [0, 16]; 0 = target only."
+    )
     """Draft tokens per round: None = the deployment's default, 0 = target only."""
-    target_probs: Literal["processed", "raw"] = "processed"
+    target_probs: Literal["processed", "raw"] = Field(
+        "processed", description='"processed" (correct, default) or "raw" (benchmark only).'
+    )
     """"processed" (correct): the target distribution gets this request's parameters, like
     the draft's. "raw" is INCORRECT on purpose: the target is scored with plain
     softmax(logits) (temperature 1, no top-k/top-p/penalties), as vLLM did before PR 10198;
     the output distribution is then wrong. Kept only so the benchmark can measure it."""
-    drafter_invariant: bool = False
+    drafter_invariant: bool = Field(
+        False, description="Gumbel-max coupling: same seeded text for any draft and K."
+    )
     """Gumbel-max coupling: a seeded request gives the same text for any draft model and K,
     equal to target-only sampling with that seed (at some cost in acceptance)."""
 
@@ -143,15 +168,18 @@ class SamplingParams(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+    def _logit_bias(cls, v: dict[int, float] | None, info: ValidationInfo) -> dict[int, float] | None:
         if v is None:
             return None
+        refuse = bool((info.context or {}).get(REFUSE_OUT_OF_RANGE_BIAS))
         for token, bias in v.items():
             if token < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {token}")
             if math.isnan(bias):
                 raise ValueError(f"logit_bias[{token}] must be a number in [-100, 100], got NaN")
-        # Clamped like vLLM and OpenAI rather than refused.
+            if refuse and abs(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        # vLLM's Python API clamps; OpenAI's HTTP API refuses (see REFUSE_OUT_OF_RANGE_BIAS).
         return {t: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, b)) for t, b in v.items()}
 
     @field_validator("allowed_token_ids")
@@ -236,6 +264,8 @@ class SamplingParams(BaseModel):
     # --- helpers ------------------------------------------------------------------------
     @property
     def greedy(self) -> bool:
+        """Whether this request samples greedily (tests/test_params.py checks the cut-off;
+        processing.py applies the same GREEDY_EPS to a whole batch of rows at once)."""
         return self.temperature < GREEDY_EPS
 
     @classmethod
@@ -301,12 +331,9 @@ _VLLM_UNSUPPORTED = {
     "logprob_token_ids": lambda v: v is not None,
     "trace_decode_token_ids": lambda v: v is not None,
 }
-# Fields read from a vllm.SamplingParams; a None there means "vLLM's default".
-_VLLM_FIELDS = (
-    "n temperature top_k top_p min_p repetition_penalty presence_penalty frequency_penalty "
-    "logit_bias allowed_token_ids bad_words seed max_tokens min_tokens stop stop_token_ids "
-    "ignore_eos include_stop_str_in_output logprobs"
-).split()
+# Fields read from a vllm.SamplingParams: all but this project's own. A None there for a
+# list field means "empty".
+_VLLM_FIELDS = [name for name in SamplingParams.model_fields if name not in PROJECT_FIELDS]
 _NONE_MEANS_EMPTY = {"bad_words", "stop", "stop_token_ids"}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -77,9 +78,7 @@ class ModelRunner:
                  max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS,
                  tp: TensorParallel | None = None, batch_invariant: bool = False,
                  row_block: int | None = None):
-        from specdec.model_pair import resolve_model
-
-        self.model_dir = resolve_model(model_dir)
+        self.model_dir = Path(model_dir)  # a model folder: callers resolve names first
         dtype = parse_dtype(dtype)
         if batch_invariant:
             row_block = row_block or default_row_block(device, dtype)

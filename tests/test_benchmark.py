@@ -124,7 +124,7 @@ def test_benchmark_smoke(tiny_pair, tmp_path):
 
 
 class _EngineBackend:
-    """openai_api.Backend over the in-process engine (one request at a time)."""
+    """deployments.http.Backend over the in-process engine (one request at a time)."""
 
     def __init__(self, engine, name: str):
         import threading
@@ -150,12 +150,12 @@ def test_benchmark_over_http(tiny_pair, tmp_path):
 
     import uvicorn
 
-    from deployments import openai_api
+    from deployments.http import make_app
     from specdec.local import LocalEngine
 
     draft, target = tiny_pair
-    openai_api.app.state.backend = _EngineBackend(LocalEngine(draft, target), "tiny")
-    srv = uvicorn.Server(uvicorn.Config(openai_api.app, host="127.0.0.1", port=0,
+    app = make_app(_EngineBackend(LocalEngine(draft, target), "tiny"))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
                                         log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -176,7 +176,6 @@ def test_benchmark_over_http(tiny_pair, tmp_path):
     finally:
         srv.should_exit = True
         thread.join(5)
-        openai_api.app.state.backend = None
     report = json.loads((out / "results.json").read_text())
     assert rc == 0, report["verdict"]
     assert report["engine"]["backend"] == "http"

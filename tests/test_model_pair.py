@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from specdec import model_pair as mp
-from specdec.model_pair import (ModelSetupError, PairModel, TokenizerMismatchError,
-                                check_same_tokenizer, join_wheel_parts, resolve_model)
+from specdec.model_pair import ModelSetupError, PairModel, join_wheel_parts
+from specdec.models import TokenizerMismatchError, check_same_tokenizer, resolve_model
 
 
 def _fake_spec(parts: list[bytes], sha: str | None = None) -> PairModel:

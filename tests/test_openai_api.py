@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP layer (deployments/openai_api.py) against a fake backend:
+"""The OpenAI-compatible HTTP layer (deployments/http/) against a fake backend:
 in-process through Starlette's TestClient, and over real sockets (uvicorn in a thread) with
 the official `openai` client. No Ray.
 
@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from deployments import openai_api
+from deployments.http import make_app
+from deployments.http.responses import LOGPROB_FLOOR
 from deployments.metrics import CoordinatorMetrics
 from specdec.api_types import (
     GenerateDelta,
@@ -48,7 +49,7 @@ MODEL = "fake-model"
 
 
 class FakeBackend:
-    """Implements openai_api.Backend: one character per token; output letter i is a pure
+    """Implements deployments.http.Backend: one character per token; output letter i is a pure
     function of (seed, i), so a seed reproduces the text, like the real service."""
 
     model_name = MODEL
@@ -222,26 +223,28 @@ def assert_stream(chunks: list[dict], obj: str, include_usage: bool) -> dict:
 
 # ---- fixtures --------------------------------------------------------------------------------
 
+APP = make_app(None)  # one app for the module; each test puts its own fake backend in it
+
 
 @pytest.fixture(autouse=True)
 def backend(monkeypatch):
     fake = FakeBackend()
-    openai_api.app.state.backend = fake  # what the Coordinator's __init__ does
+    APP.state.backend = fake  # make_app(fake) would do the same
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     monkeypatch.delenv("SPECDEC_MAX_BODY_BYTES", raising=False)
     yield fake
-    openai_api.app.state.backend = None
+    APP.state.backend = None
 
 
 @pytest.fixture(scope="module")
 def client():
-    return TestClient(openai_api.app)
+    return TestClient(APP)
 
 
 @pytest.fixture(scope="module")
 def server():
     """The app on a real loopback socket, for the openai client and disconnects."""
-    config = uvicorn.Config(openai_api.app, host="127.0.0.1", port=0, log_level="warning")
+    config = uvicorn.Config(APP, host="127.0.0.1", port=0, log_level="warning")
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -334,7 +337,7 @@ def test_logprobs(client):
     lp = body["choices"][0]["logprobs"]
     assert lp["tokens"] == list(body["choices"][0]["text"]) and lp["text_offset"] == [0, 1, 2]
     assert lp["token_logprobs"] == [-0.5] * 3
-    assert lp["top_logprobs"][0]["<masked>"] == openai_api.LOGPROB_FLOOR  # -inf is not JSON
+    assert lp["top_logprobs"][0]["<masked>"] == LOGPROB_FLOOR  # -inf is not JSON
     chat = post(client, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 1,
     }).json()
@@ -498,23 +501,18 @@ def test_error_after_the_stream_started_is_an_event(client, backend):
     assert chunks[-1]["error"]["message"] and backend.open_streams == 0
 
 
-def test_backend_found_from_the_copy_serve_ingress_serves(backend):
-    """serve.ingress serves a cloudpickled copy of `app`, while the Coordinator sets the
-    backend on the module's `app`: the routes must still find it."""
-    from ray import cloudpickle
-    from ray.serve._private.utils import ensure_serialization_context
-
-    openai_api.app.state.backend = None
-    ensure_serialization_context()  # as serve.ingress does before its dumps/loads round trip
-    served = cloudpickle.loads(cloudpickle.dumps(openai_api.app))
-    assert served is not openai_api.app
-    openai_api.app.state.backend = backend  # what Coordinator.__init__ does in the replica
+def test_each_app_serves_its_own_backend(backend):
+    """The Coordinator builds its app per replica with make_app(self): an app serves the
+    backend it was made with, and another app (another replica) is unaffected."""
+    served = make_app(backend)
+    assert served is not APP
+    APP.state.backend = None
     body = TestClient(served).post("/v1/completions", json=COMPLETION).json()
     assert_completion_body(body, MODEL)
 
 
 def test_no_backend_yet_is_a_503(client):
-    openai_api.app.state.backend = None
+    APP.state.backend = None
     assert_error(client.get("/health"), 503)
     assert_error(post(client, "/v1/completions", COMPLETION), 503)
 
@@ -610,7 +608,7 @@ def test_disconnect_stops_generation_under_asgi_2_4(backend):
         "root_path": "", "query_string": b"", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
     }
-    asyncio.run(asyncio.wait_for(openai_api.app(scope, receive, send), 10))
+    asyncio.run(asyncio.wait_for(APP(scope, receive, send), 10))
     assert backend.open_streams == 0 and len(backend.closed) == 1
     assert len(sent) < 20  # not all 200 tokens
 
@@ -720,7 +718,7 @@ def object_from_schema(schema: dict, defs: dict, depth: int = 0, plausible: bool
 
 def _request_bodies(model_name: str) -> st.SearchStrategy:
     """About half plausible bodies, 40 % schema-shaped ones, 10 % any JSON at all."""
-    defs = openai_api.app.openapi()["components"]["schemas"]
+    defs = APP.openapi()["components"]["schemas"]
     plausible = object_from_schema(defs[model_name], defs, plausible=True)
     shaped = object_from_schema(defs[model_name], defs)
     small = st.fixed_dictionaries({}, optional={"max_tokens": st.integers(1, 8)})

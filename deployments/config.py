@@ -1,0 +1,72 @@
+"""The application's configuration: one tree, every field defined once, defaults here.
+
+    AppConfig                      the `args:` of the application in ray_config.yaml
+    ├── CoordinatorConfig fields   served_model_name, num_speculative_tokens, retries
+    ├── cache_dir                  where the default pair is converted (all deployments)
+    ├── draft:  RunnerConfig       how the Draft pool loads and runs its model
+    ├── target: RunnerConfig       the same for the Target pool
+    └── *_options                  Serve deployment options, for Python callers of build_app
+
+`AppConfig` extends `CoordinatorConfig`, so the coordinator's fields stay at the top of
+`args:` (as the README documents them); `build_app` hands the Coordinator the whole tree
+(it needs both model names and the cache folder) and each pool its own `RunnerConfig` plus
+`cache_dir`. Constants shared with the core (default K, the cache bound) come from specdec.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.params import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
+from specdec.runner import DEFAULT_MAX_CACHE_TOKENS
+
+
+class RunnerConfig(BaseModel):
+    """How one pool loads and runs its model (the `draft` / `target` args in ray_config.yaml)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str  # "default-draft" / "default-target", a local folder, or a hub id
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS  # KV cache bound, over all sequences held
+    num_threads: int | None = None  # torch threads; None = every core of the machine
+    max_batch_size: int = 16  # Serve dynamic batching (@serve.batch) of the pool's calls
+    batch_wait_timeout_s: float = 0.002
+    # Ranks of one replica (heads and MLP sharded, KV cache by head). The deployment's
+    # placement_group_bundles must hold one bundle per rank; rank i runs in bundle i.
+    tensor_parallel_size: int = Field(1, ge=1)
+    # Fixed-shape matmul blocks and one-row attention, so a position's numbers depend neither
+    # on the rest of the batch nor on how many positions are fed together: seeded output stays
+    # identical under load, across K and after a re-prefill. Costs some speed.
+    batch_invariant: bool = False
+
+
+class CoordinatorConfig(BaseModel):
+    """What the Coordinator decides: the served name, default K, and how long it retries."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    served_model_name: str = "specdec-qwen2.5-coder"
+    # Default K; a request may set its own (0 = target-only).
+    num_speculative_tokens: int = Field(DEFAULT_NUM_SPECULATIVE_TOKENS, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    # A lost draft replica: standard-mode requests retry (another replica, or the
+    # replacement Serve starts) for up to this long, then run target-only rounds; that keeps
+    # a seeded text unchanged whenever a replica is back in time. Drafter-invariant requests
+    # go target-only at once: their text does not depend on the draft at all.
+    draft_retry_timeout_s: float = 30.0
+    target_retry_timeout_s: float = 120.0  # a lost target replica: retry this long, then fail
+    retry_backoff_s: float = 0.5
+
+
+class AppConfig(CoordinatorConfig):
+    """The `args:` block of the application in ray_config.yaml."""
+
+    cache_dir: str | None = None  # where the default pair is converted; None = ~/.cache/specdec
+    draft: RunnerConfig = RunnerConfig(model="default-draft")
+    target: RunnerConfig = RunnerConfig(model="default-target")
+    # Serve deployment options (num_replicas, autoscaling_config, ray_actor_options, ...) for
+    # Python callers of build_app; a Serve config file sets these in its `deployments:` list.
+    coordinator_options: dict = {}
+    draft_options: dict = {}
+    target_options: dict = {}
