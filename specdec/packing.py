@@ -9,6 +9,7 @@ sees exactly the distribution the sender computed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,46 @@ def pack_probs(probs: torch.Tensor) -> PackedProbs:
         indices=indices.to(torch.int32).numpy(),
         values=values.numpy(),
     )
+
+
+def pack_blocks(probs: torch.Tensor, lengths: Sequence[int]) -> list[PackedProbs]:
+    """`pack_probs` of each block of consecutive rows (block i holds lengths[i] rows), with
+    one pass over all of them instead of one per block. Each block unpacks to exactly what
+    `pack_probs` of that block unpacks to, and is dense or sparse by the same rule (sparse
+    indices may differ only among equal values and in the zero padding)."""
+    probs = probs.detach().to("cpu", torch.float32)
+    vocab = probs.shape[1]
+    lens = [int(n) for n in lengths]
+    n = len(lens)
+    if not n:
+        return []
+    block = torch.repeat_interleave(torch.arange(n), torch.tensor(lens))
+    row_support = (probs > 0).sum(dim=1)
+    support = torch.zeros(n, dtype=torch.long).scatter_reduce_(0, block, row_support, "amax")
+    support_list = support.tolist()
+    dense = [m * 4 >= vocab for m in support_list]
+    out: list[PackedProbs] = []
+    arr = probs.numpy()
+    sparse = [i for i in range(n) if not dense[i]]
+    if sparse:
+        rows = ~torch.tensor(dense)[block]
+        width = max(max(support_list[i] for i in sparse), 1)
+        values, indices = probs[rows].topk(width, dim=1)
+        values, indices = values.numpy(), indices.to(torch.int32).numpy()
+    start = sparse_start = 0
+    for i, (r, m) in enumerate(zip(lens, support_list)):
+        if dense[i]:
+            out.append(PackedProbs(shape=(r, vocab), dense=arr[start : start + r]))
+        else:
+            m, stop = max(m, 1), sparse_start + r
+            out.append(PackedProbs(
+                shape=(r, vocab),
+                indices=np.ascontiguousarray(indices[sparse_start:stop, :m]),
+                values=np.ascontiguousarray(values[sparse_start:stop, :m]),
+            ))
+            sparse_start = stop
+        start += r
+    return out
 
 
 def unpack_probs(packed: PackedProbs, device: str | torch.device = "cpu") -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.packing import PackedProbs, pack_probs
+from specdec.packing import PackedProbs, pack_blocks
 from specdec.processing import RequestSampling, Row, process_logits, speculative_rows
 from specdec.randomness import Purpose, sample
 
@@ -56,41 +56,45 @@ def run_draft(runner, calls: list[DraftCall]) -> list[Proposal]:
 
     Each proposal is drawn from the request's processed draft distribution, whose history
     includes the proposals before it, with randomness keyed by (seed, absolute position).
+    The q returned for a proposal is the distribution it was drawn from.
     """
     proposed: list[list[int]] = [[] for _ in calls]
-    q_rows: list[list[torch.Tensor]] = [[] for _ in calls]
-    for step in range(max((c.num_tokens for c in calls), default=0)):
-        active = [i for i, c in enumerate(calls) if c.num_tokens > step]
+    outputs = [_output_ids(c.token_ids, c.sampling) for c in calls]
+    ks = [c.num_tokens for c in calls]
+    seeds = torch.tensor([c.seed for c in calls], dtype=torch.long)
+    first_pos = torch.tensor([len(o) for o in outputs], dtype=torch.long)
+    gumbel = torch.tensor([c.sampling.params.drafter_invariant for c in calls], dtype=torch.bool)
+    # q of proposal `step` of call i is row offsets[i] + step of q_rows (only standard mode)
+    keep_q = [k if not c.sampling.params.drafter_invariant else 0 for c, k in zip(calls, ks)]
+    offsets = torch.tensor(np.cumsum([0] + keep_q[:-1]), dtype=torch.long)
+    wants_q = torch.tensor([k > 0 for k in keep_q], dtype=torch.bool)
+    q_rows: torch.Tensor | None = None
+    for step in range(max(ks, default=0)):
+        active = [i for i, k in enumerate(ks) if k > step]
         items = [(calls[i].request_id, calls[i].token_ids + proposed[i], 1) for i in active]
         logits = torch.cat(runner.extend(items))
-        rows = [
-            Row(calls[i].sampling, _output_ids(calls[i].token_ids, calls[i].sampling) + proposed[i])
-            for i in active
-        ]
+        rows = [Row(calls[i].sampling, outputs[i] + proposed[i]) for i in active]
         probs = process_logits(logits, rows).probs
-        tokens = sample(
-            probs,
-            seeds=torch.tensor([calls[i].seed for i in active]),
-            positions=torch.tensor([len(r.output_ids) for r in rows]),
-            purpose=Purpose.DRAFT,
-            gumbel_rows=torch.tensor([calls[i].sampling.params.drafter_invariant for i in active]),
-        )
-        for row, i in enumerate(active):
-            proposed[i].append(int(tokens[row]))
-            q_rows[i].append(probs[row])
-    return [
-        Proposal(
-            tokens=proposed[i],
-            probs=None
-            if c.sampling.params.drafter_invariant or not proposed[i]
-            else pack_probs(torch.stack(q_rows[i])),
-        )
-        for i, c in enumerate(calls)
-    ]
+        idx = torch.tensor(active, dtype=torch.long)
+        tokens = sample(probs, seeds[idx], first_pos[idx] + step, Purpose.DRAFT, gumbel[idx])
+        for i, token in zip(active, tokens.tolist()):
+            proposed[i].append(token)
+        keep = wants_q[idx]
+        if keep.any():
+            if q_rows is None:
+                q_rows = probs.new_zeros(sum(keep_q), probs.shape[1])
+            q_rows[offsets[idx[keep]] + step] = probs[keep]
+    packed = pack_blocks(q_rows, [k for k in keep_q if k]) if q_rows is not None else []
+    blocks = iter(packed)
+    return [Proposal(tokens=proposed[i], probs=next(blocks) if keep_q[i] else None)
+            for i in range(len(calls))]
 
 
 def run_target(runner, calls: list[ScoreCall]) -> list[Scores]:
-    """Score the K proposals plus the bonus position of every call in one forward pass."""
+    """Score the K proposals plus the bonus position of every call in one forward pass.
+
+    Row i of a call is the processed target distribution at proposal i, whose history is
+    the committed output plus proposals[:i] (`speculative_rows`)."""
     items = [(c.request_id, c.token_ids, c.num_proposals + 1) for c in calls]
     logits = runner.extend(items)
     rows: list[Row] = []
@@ -101,14 +105,15 @@ def run_target(runner, calls: list[ScoreCall]) -> list[Scores]:
         rows += speculative_rows(c.sampling, output_ids, c.token_ids[committed:])
         raw += [c.sampling.params.target_probs == "raw"] * (c.num_proposals + 1)
     processed = process_logits(torch.cat(logits), rows, raw=raw)
+    packed = pack_blocks(processed.probs, [c.num_proposals + 1 for c in calls])
     scores, start = [], 0
-    for c in calls:
+    for c, probs in zip(calls, packed):
         span = slice(start, start + c.num_proposals + 1)
         start = span.stop
         want_logprobs = c.sampling.params.logprobs is not None
         scores.append(
             Scores(
-                probs=pack_probs(processed.probs[span]),
+                probs=probs,
                 logprobs=processed.logprobs[span].numpy().copy() if want_logprobs else None,
             )
         )
