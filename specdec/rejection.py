@@ -8,10 +8,18 @@ when all k proposals were accepted. Every emitted token is then distributed exac
 direct sampling from p, for any q, provided q is the distribution the proposals were really
 drawn from. Greedy requests arrive as one-hot p and q, where the same rule is exact greedy.
 
-Drafter-invariant mode (DESIGN.md section 3): the draft proposed argmax(log q + g_t); the
-target accepts while argmax(log p_i + g_{t_i}) equals the proposal and emits its own argmax
-at the stop. The text is then exactly target-only Gumbel sampling with the request's seed,
-whatever the draft and K.
+Drafter-invariant mode: the draft proposed argmax(log q + g_t), g_t the Gumbel noise of
+(seed, position t); the target accepts while argmax(log p_i + g_{t_i}) equals the proposal
+and emits its own argmax at the stop. Every emitted token is then argmax(log p_t + g_t):
+the text is that of target-only Gumbel sampling with the request's seed, whatever the
+draft and K.
+
+Target-only rows (no proposals, k = 0) in either mode draw their token the same way,
+argmax(log p_t + g_t). So target-only decoding (``num_speculative_tokens: 0``) and
+drafter-invariant speculative decoding are one sampler: a seeded request gives the same
+text with or without speculation, for any K and any draft. (Standard-mode rounds with
+k >= 1 use the accept / residual / bonus uniforms instead: exact in distribution, but the
+text depends on the draft and K.)
 
 Absolute output position of row b's proposal i is positions[b] + i.
 """
@@ -56,6 +64,8 @@ def rejection_sample(
     drafter_invariant = drafter_invariant.to(dev, torch.bool)
     draft_probs = None if draft_probs is None else draft_probs.to(dev)
     _check(draft_tokens, num_draft, draft_probs, target_probs, drafter_invariant)
+    # Target-only rows sample as drafter-invariant rows do (Gumbel-max): one sampler.
+    drafter_invariant = drafter_invariant | (num_draft == 0)
     valid = torch.arange(K, device=dev) < num_draft[:, None]
     tokens = torch.where(valid, draft_tokens.to(dev), 0)  # pads -> 0, never accepted
     accept = torch.zeros(B, K, dtype=torch.bool, device=dev)

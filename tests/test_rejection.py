@@ -188,10 +188,31 @@ def test_padding_zero_proposals_and_output_shape():
     for b in range(B):
         n = int(out.num_accepted[b])
         assert out.tokens[b][:n] == x[b, :n].tolist() and len(out.tokens[b]) == n + 1
-    # k = 0 everywhere: only bonus tokens, and no draft probabilities are needed
+    # k = 0 everywhere: only target tokens, and no draft probabilities are needed
     empty = _run(torch.empty(B, 0, dtype=torch.long), torch.zeros(B, dtype=torch.long), None,
                  p[:, :1], seeds, pos)
-    assert [t[0] for t in empty.tokens] == sample(p[:, 0], seeds, pos, Purpose.BONUS).tolist()
+    assert [t[0] for t in empty.tokens] == gumbel_argmax(p[:, 0], seeds, pos).tolist()
+
+
+@pytest.mark.parametrize("drafter_invariant", [False, True])
+def test_target_only_rows_are_gumbel_sampled_in_both_modes(drafter_invariant):
+    # One sampler for target-only and drafter-invariant decoding: a row with no proposals
+    # emits argmax(log p + g(seed, position)) whatever its mode, which is what every
+    # drafter-invariant round emits at that position.
+    B, K = 40, 3
+    p = _probs(B, K + 1, seed=11)
+    seeds, pos = torch.arange(B) * 7 + 3, torch.arange(B) % 5
+    k = torch.tensor([0] * (B // 2) + [K] * (B // 2))  # target-only rows beside drafting rows
+    q = _probs(B, K, seed=12)
+    x = _draft_from(q, seeds, pos, k)
+    inv = torch.full((B,), drafter_invariant)
+    out = _run(x, k, q, p, seeds, pos, inv)
+    only = gumbel_argmax(p[: B // 2, 0], seeds[: B // 2], pos[: B // 2]).tolist()
+    assert [t for t, in out.tokens[: B // 2]] == only
+    # and a standard-mode row with proposals still uses the accept / residual / bonus rule
+    alone = _run(x[B // 2 :], k[B // 2 :], q[B // 2 :], p[B // 2 :], seeds[B // 2 :],
+                 pos[B // 2 :], inv[B // 2 :])
+    assert out.tokens[B // 2 :] == alone.tokens
 
 
 def test_missing_draft_probs_for_a_standard_row_is_refused():
