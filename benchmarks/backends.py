@@ -6,6 +6,9 @@ by the same loop as its `generate` (`specdec.lockstep.run`); its `step` is exact
 target-only decoding run on the same engine; concurrency there is the engine's batch size
 (requests in lockstep). It also measures what only an in-process run can see: forward passes
 and their time per model, and Σₓ min(p(x), q(x)) at every scored proposal.
+
+Longer than 300 lines because both backends share the `Output` / `RunStats` records
+they fill, and the in-process one its measurement helpers (round log, timed runner).
 """
 
 from __future__ import annotations
@@ -289,11 +292,9 @@ class HttpBackend:
     def _body(self, request: dict, pieces: bool) -> dict:
         sp = dict(request.get("sampling_params") or {})
         body = {"prompt": list(request["prompt_token_ids"]), "model": self.model}
-        for key in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
-                    "ignore_eos", "num_speculative_tokens", "target_probs", "allowed_token_ids",
-                    "drafter_invariant", "repetition_penalty"):
-            if sp.get(key) is not None:
-                body[key] = sp[key]
+        # Sampling fields keep their names over HTTP (both come from SamplingParams); only
+        # logprobs differs: a number of alternatives on /v1/completions, set below.
+        body.update({k: v for k, v in sp.items() if v is not None and k != "logprobs"})
         if sp.get("logprobs") is not None or pieces:
             body["logprobs"] = sp.get("logprobs") or 0
         return body

@@ -23,6 +23,28 @@ class Prompt:
     text: str
 
 
+# Short code (and a little prose) openings for load and seed tests: tests/test_seeds_under_load.py
+# and scripts/soak.py draw their requests from these.
+CODE_PROMPTS = [
+    "def fibonacci(n):",
+    "import numpy as np\n\ndef normalize(x):\n    \"\"\"Scale x to zero mean and unit variance.\"\"\"\n",
+    "# Sort a list of dictionaries by the value of a key\n",
+    "class LRUCache:\n    def __init__(self, capacity: int):\n",
+    "def is_prime(n: int) -> bool:",
+    "SELECT name, COUNT(*) FROM orders",
+    "fn main() {\n    let v: Vec<i32> =",
+    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n",
+    "The quick brown fox",
+    "async def fetch(session, url):\n",
+    "// A binary search over a sorted array\nint search(int *a, int n, int key) {\n",
+    "def parse_csv(path):\n    import csv\n    with open(path) as f:\n",
+    "Write a haiku about caches.",
+    "#include <stdio.h>\n\nint main(void) {\n",
+    "def transpose(matrix):",
+    "from dataclasses import dataclass\n\n@dataclass\nclass Point:\n",
+]
+
+
 # Openings of plain prose (no chat template: the models continue the text). Varied topics
 # and registers, so acceptance on prose can be compared with acceptance on code.
 PROSE = [

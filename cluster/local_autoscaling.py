@@ -22,6 +22,9 @@ timeline.
 
 Prints one `RESULT {json}` line (tests/test_autoscaling.py reads it); exit status 0 when
 every check passed. Every wait is bounded.
+
+Longer than 300 lines because the scenario is one script: its phases, load generator
+and the checks between them read in order.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ lines). Never `ray stop`: other Ray instances on the machine (other users' tests
 Ray's own `AutoscalingCluster` cannot be used here: its start and shutdown run
 `ray stop --force` (every Ray process of the machine), it takes the fixed GCS port 6379, and
 this Ray wheel lacks the fake provider's `example.yaml` it reads.
+
+Longer than 300 lines because the two cluster kinds share their process hygiene,
+environment and Serve observation helpers, which the scenario scripts import.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from specdec.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,12 +38,6 @@ FAST_SERVE_METRICS = {
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def log(*args) -> None:

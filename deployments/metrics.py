@@ -35,7 +35,6 @@ _SPECS: dict[str, tuple[str, str, list[float] | None]] = {
     "specdec_acceptance_rate": ("gauge", "This replica's accepted / proposed since start.", None),
     "specdec_system_efficiency": ("gauge", "This replica's emitted / round slots since start.", None),
     "specdec_requests_in_flight": ("gauge", "Requests generating now.", None),
-    "specdec_requests_queued": ("gauge", "Requests admitted but waiting for a slot.", None),
     "specdec_round_draft_seconds": ("histogram", "Draft time per round.", _ROUND_S),
     "specdec_round_target_seconds": ("histogram", "Target (verify) time per round.", _ROUND_S),
     "specdec_round_coordinator_seconds": ("histogram", "Coordinator work (rejection sampling, detokenizing) per round.", _ROUND_S),
@@ -71,7 +70,7 @@ class CoordinatorMetrics:
 
     def __init__(self, model: str = "", enabled: bool = True):
         self.totals: dict[str, float] = {name: 0 for name in _COUNTERS}
-        self.totals.update(in_flight=0, queued=0)
+        self.totals.update(in_flight=0)
         self._model = model
         self._metrics = _create(model) if enabled else {}
 
@@ -141,10 +140,6 @@ class CoordinatorMetrics:
     @_never_raises
     def in_flight(self, delta: int) -> None:
         self._gauge_add("in_flight", "specdec_requests_in_flight", delta)
-
-    @_never_raises
-    def queued(self, delta: int) -> None:
-        self._gauge_add("queued", "specdec_requests_queued", delta)
 
     # ---- plumbing ---------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ NCCL on GPUs, gloo on CPU (which is how the tests run the same code path).
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Sequence
 
 import ray
@@ -22,7 +21,9 @@ import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specdec.model import TensorParallel
+from specdec.net import free_port
 from specdec.runner import ModelRunner
+from specdec.runner_api import ExtendItem, Runner
 
 
 def _init_rank(init_method: str, rank: int, size: int, device: str) -> None:
@@ -60,8 +61,8 @@ class TensorParallelWorker:
         self.runner.release(request_id)
 
 
-class TensorParallelRunner:
-    """Rank 0 plus its workers, behind ModelRunner's interface."""
+class TensorParallelRunner(Runner):
+    """Rank 0 plus its workers, behind ModelRunner's interface (specdec.runner_api.Runner)."""
 
     def __init__(self, path, config, size: int):
         placement_group = ray.util.get_current_placement_group()
@@ -70,7 +71,7 @@ class TensorParallelRunner:
                 f"tensor_parallel_size={size} needs a placement group of {size} bundles: set "
                 "the deployment's placement_group_bundles (one per rank)"
             )
-        init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
         threads = torch.get_num_threads()
         self.workers = [
             TensorParallelWorker.options(
@@ -87,7 +88,7 @@ class TensorParallelRunner:
         ray.get([w.ready.remote() for w in self.workers])
         self.vocab_size, self.max_context = self.local.vocab_size, self.local.max_context
 
-    def extend(self, items: Sequence[tuple[str, Sequence[int], int]]) -> list[torch.Tensor]:
+    def extend(self, items: Sequence[ExtendItem]) -> list[torch.Tensor]:
         items = [(rid, list(tokens), n) for rid, tokens, n in items]
         pending = [w.extend.remote(items) for w in self.workers]
         try:
@@ -102,12 +103,6 @@ class TensorParallelRunner:
 
     def cache_usage(self) -> dict:
         return self.local.cache_usage()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def default_threads(size: int) -> int:

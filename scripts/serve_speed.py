@@ -1,4 +1,4 @@
-"""Issue 3's measurement, in one run through the real service: start `serve run <config>`,
+"""The service's speed (docs/serve_speed.md), in one run: start `serve run <config>`,
 time it to the first answer, then measure tokens/s over HTTP, target-only vs speculative
 (K = 2, 3, 4), greedy and T=0.6 / top_p=0.9, 1 and 8 requests in flight, with the acceptance
 rates (the benchmark's --url mode does the sweep; see docs/benchmark.md).

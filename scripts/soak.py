@@ -1,4 +1,4 @@
-"""Load / soak test of the OpenAI HTTP API (issue 7, item 4).
+"""Load / soak test of the OpenAI HTTP API (docs/reliability.md).
 
 N concurrent clients send completions and chat requests (half streamed, random lengths and
 sampling parameters) for D seconds, then stop by themselves: no request starts after the
@@ -16,6 +16,9 @@ Self-contained: starts a private local Ray instance and the application on a fre
     .venv/bin/python scripts/soak.py --start real --clients 16 --duration 180 --out docs/soak_real.json
 
 Only loopback addresses are accepted.
+
+Longer than 300 lines because it is one self-contained tool: load generator, replica
+memory sampling, report and its own private service.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -35,21 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from benchmarks.prompts import CODE_PROMPTS
+from specdec.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 BACKPRESSURE = {429, 503}
 
-PROMPTS = [
-    "def fibonacci(n):",
-    "import numpy as np\n\ndef normalize(x):",
-    "# Sort a list of dictionaries by the value of a key\n",
-    "class LRUCache:\n    def __init__(self, capacity: int):\n",
-    "def is_prime(n: int) -> bool:",
-    "SELECT name, COUNT(*) FROM orders",
-    "fn main() {\n    let v: Vec<i32> =",
-    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n",
-    "async def fetch(session, url):\n",
-    "#include <stdio.h>\n\nint main(void) {\n",
-]
+PROMPTS = CODE_PROMPTS
 
 
 # ---- replica memory ----------------------------------------------------------------------------
@@ -300,12 +294,6 @@ def check_loopback(base: str) -> None:
 
 
 # ---- a private service --------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def app_args(kind: str, workdir: Path) -> dict:

@@ -38,7 +38,7 @@ class Usage(BaseModel):
 
 
 class SpeculationStats(BaseModel):
-    """Per-request speculation counters (DESIGN.md section 2 definitions)."""
+    """Per-request speculation counters (definitions: specdec.rejection.SpecStats)."""
 
     rounds: int = 0
     proposed: int = 0

@@ -12,13 +12,14 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from specdec.generation import Generation
+from specdec.runner_api import Runner
 
 
 class Engine(Protocol):
     """What the loop needs: one batched round, and the two runners' caches to release."""
 
-    draft: object
-    target: object
+    draft: Runner
+    target: Runner
 
     def step(self, gens: Sequence[Generation]) -> None: ...
 

@@ -10,6 +10,9 @@ to a bf16 safetensors folder in a cache. Loading from the cache afterwards takes
 A model folder is complete only when its ``specdec-manifest.json`` exists: the folder is built
 under a temporary name, the manifest is written last and the folder renamed into place, so an
 interrupted conversion is simply redone.
+
+Longer than 300 lines because making the pair is one pipeline (download -> join ->
+verify -> convert -> manifest) whose steps are only used by each other and the CLI.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Differences from ``vllm.SamplingParams`` are deliberate and few: ``n`` must be 1
 is bounded to [0, 20] (no -1 = whole vocabulary), ``seed`` must be in [0, 2**63) because the
 counter-based randomness keys on it as an int64, ``max_tokens`` cannot be None, and
 ``logit_bias`` keys may be strings (JSON objects, as in the OpenAI API).
+
+Longer than 300 lines because it is one model: a validator per field, each with the
+message that tells the caller what to change, and the vllm.SamplingParams adapter.
 """
 
 from __future__ import annotations

@@ -3,15 +3,10 @@ conftest.py as a plugin)."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cluster import localcluster
+from specdec.net import free_port
 
 
 @pytest.fixture(scope="session")
@@ -30,14 +25,8 @@ def ray_serve():
 
 
 def tiny_app_args(tiny_pair, **overrides) -> dict:
-    draft_dir, target_dir = tiny_pair
-    runner = {"dtype": "float32", "max_batch_size": 16, "num_threads": 1}
-    return {
-        "served_model_name": "tiny",
-        "num_speculative_tokens": 3,
-        "draft": {"model": str(draft_dir), **runner},
-        "target": {"model": str(target_dir), **runner},
-    } | overrides
+    """The application's args on the tiny pair (cluster/localcluster.py builds them)."""
+    return localcluster.tiny_app_args(*tiny_pair, **overrides)
 
 
 @pytest.fixture(scope="session")

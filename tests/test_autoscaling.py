@@ -9,7 +9,12 @@ instance of the session-scoped `ray_serve` fixture (tests/serve_fixtures.py). Ru
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.localcluster import run_scenario
+
+pytestmark = pytest.mark.ray  # starts Ray (deselect with -m 'not ray')
+
 
 
 def test_draft_and_target_pools_scale_independently(tiny_pair):

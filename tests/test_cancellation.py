@@ -1,4 +1,4 @@
-"""Cancellation (issue 7, item 5) and a bounded load check (the CI variant of item 4's soak),
+"""Cancellation and a bounded load check (the CI variant of scripts/soak.py),
 on the tiny pair through Serve's HTTP proxy.
 
 500 clients hang up at random points: in the middle of sending the body, right after
@@ -25,6 +25,9 @@ from urllib.parse import urlparse
 
 import pytest
 from ray import serve
+
+pytestmark = pytest.mark.ray  # starts Ray (deselect with -m 'not ray')
+
 
 APP = "tiny"  # serve_tiny_app: the tiny pair at route "/"
 DISCONNECTS = 500

@@ -14,6 +14,9 @@ from ray import serve
 
 from test_openai_api import assert_chat_body, assert_completion_body
 
+pytestmark = pytest.mark.ray  # starts Ray (deselect with -m 'not ray')
+
+
 
 @pytest.fixture(scope="module")
 def base_url(ray_serve, serve_tiny_app):

@@ -8,7 +8,12 @@ instance of the session-scoped `ray_serve` fixture (tests/serve_fixtures.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.localcluster import run_scenario
+
+pytestmark = pytest.mark.ray  # starts Ray (deselect with -m 'not ray')
+
 
 
 def test_pools_land_on_their_nodes_and_serve_across_nodes(tiny_pair):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ray import serve
 
-pytestmark = pytest.mark.real_pair
+pytestmark = [pytest.mark.real_pair, pytest.mark.ray]
 
 APP = "real"
 PROMPT = 'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same backwards."""\n'
@@ -40,7 +40,7 @@ def test_greedy_speculative_equals_target_only(real_handle):
     print(f"real pair greedy: acceptance {speculative.speculation.acceptance_rate:.3f}, "
           f"{speculative.speculation.rounds} rounds for {len(speculative.token_ids)} tokens")
     assert speculative.token_ids == target_only.token_ids
-    assert speculative.speculation.acceptance_rate > 0.5  # DESIGN.md: ~0.9 on code
+    assert speculative.speculation.acceptance_rate > 0.5  # ~0.9 expected on code (docs/benchmark.md)
 
 
 def test_seeded_sampling_repeats_and_drafter_invariant_equals_target_only(real_handle):

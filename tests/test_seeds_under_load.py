@@ -1,4 +1,4 @@
-"""Seeded output under load (issue 7, item 3): a seeded request gives the same tokens when it
+"""Seeded output under load (docs/reliability.md): a seeded request gives the same tokens when it
 runs alone and when it shares every forward pass with 8-16 concurrent requests of other
 lengths and parameters.
 
@@ -50,26 +50,10 @@ import pytest
 import torch
 
 import specdec.runner as runner_module
+from benchmarks.prompts import CODE_PROMPTS
 from specdec.local import LocalEngine
 
-PROMPTS = [
-    "def fibonacci(n):",
-    "import numpy as np\n\ndef normalize(x):\n    \"\"\"Scale x to zero mean and unit variance.\"\"\"\n",
-    "# Sort a list of dictionaries by the value of a key\n",
-    "class LRUCache:\n    def __init__(self, capacity: int):\n",
-    "def is_prime(n: int) -> bool:",
-    "SELECT name, COUNT(*) FROM orders",
-    "fn main() {\n    let v: Vec<i32> =",
-    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n",
-    "The quick brown fox",
-    "async def fetch(session, url):\n",
-    "// A binary search over a sorted array\nint search(int *a, int n, int key) {\n",
-    "def parse_csv(path):\n    import csv\n    with open(path) as f:\n",
-    "Write a haiku about caches.",
-    "#include <stdio.h>\n\nint main(void) {\n",
-    "def transpose(matrix):",
-    "from dataclasses import dataclass\n\n@dataclass\nclass Point:\n",
-]
+PROMPTS = CODE_PROMPTS
 
 MEASURED_TOKENS = 24
 
@@ -432,6 +416,7 @@ def serve_compare(handle, n: int, n_background: int = 12, seed: int = 0) -> dict
             "background": n_background}
 
 
+@pytest.mark.ray  # Serve on a local Ray
 def test_serve_seeded_output_unchanged_under_load(seeds_app):
     result = serve_compare(seeds_app, 32)
     print("Serve, tiny pair, batch_invariant=True:", result)

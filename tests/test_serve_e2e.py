@@ -10,6 +10,9 @@ import pytest
 from specdec.errors import ContextLengthError
 from specdec.local import LocalEngine
 
+pytestmark = pytest.mark.ray  # starts Ray (deselect with -m 'not ray')
+
+
 PROMPT = "def quicksort(items):"
 
 

@@ -8,6 +8,9 @@ from ray import serve
 
 from serve_fixtures import tiny_app_args
 
+pytestmark = pytest.mark.ray  # starts Ray (deselect with -m 'not ray')
+
+
 APP = "tp2"
 
 

@@ -84,45 +84,42 @@ def make_app(backend: Backend | None) -> FastAPI:
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request) -> dict:
-        backend = _backend(request)
-        _check_model(backend, model)
-        return model_card(backend)
+        return model_card(_serving(request, model))
 
-    @app.post(
-        "/v1/completions",
-        response_model=None,
-        responses={200: {"model": CompletionResponse, "content": _STREAM_DOC}},
-    )
+    def generation_route(path: str, response: type):
+        doc = {200: {"model": response, "content": _STREAM_DOC}}
+        return app.post(path, response_model=None, responses=doc)
+
+    @generation_route("/v1/completions", CompletionResponse)
     async def completions(body: CompletionRequest, request: Request):
-        backend = _backend(request)
-        _check_model(backend, body.model)
+        backend = _serving(request, body.model)
         tr.refuse_unsupported_completion_fields(body)
         prompt = tr.single_prompt(body.prompt)
         params = tr.sampling_params(body, max_tokens=tr.completion_max_tokens(body), logprobs=body.logprobs)
-        gen = tr.generate_request(prompt, params, body)
-        if body.stream:
-            return await stream(backend, gen, CompletionChunks(body, backend.model_name), body)
-        result = await tr.call(backend.generate(gen), body)
-        return completion_response(result, backend.model_name)
+        return await _answer(
+            backend, body, tr.generate_request(prompt, params, body), CompletionChunks,
+            lambda result: completion_response(result, backend.model_name),
+        )
 
-    @app.post(
-        "/v1/chat/completions",
-        response_model=None,
-        responses={200: {"model": ChatCompletionResponse, "content": _STREAM_DOC}},
-    )
+    @generation_route("/v1/chat/completions", ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        backend = _backend(request)
-        _check_model(backend, body.model)
+        backend = _serving(request, body.model)
         prompt_ids = tr.chat_prompt_ids(backend, body)
         max_tokens = tr.chat_max_tokens(body, backend.max_context, prompt_ids)
         params = tr.sampling_params(body, max_tokens=max_tokens, logprobs=tr.chat_logprobs(body))
-        gen = tr.generate_request(prompt_ids, params, body)
-        if body.stream:
-            return await stream(backend, gen, ChatChunks(body, backend.model_name), body)
-        result = await tr.call(backend.generate(gen), body)
-        return chat_response(result, backend.model_name, logprobs=bool(body.logprobs))
+        return await _answer(
+            backend, body, tr.generate_request(prompt_ids, params, body), ChatChunks,
+            lambda result: chat_response(result, backend.model_name, logprobs=bool(body.logprobs)),
+        )
 
     return app
+
+
+async def _answer(backend: Backend, body, gen: GenerateRequest, chunks: type[CompletionChunks], respond):
+    """A stream of `chunks` when the body asks for one, else `respond(result)`."""
+    if body.stream:
+        return await stream(backend, gen, chunks(body, backend.model_name), body)
+    return respond(await tr.call(backend.generate(gen), body))
 
 
 def _backend(request: Request) -> Backend:
@@ -132,10 +129,13 @@ def _backend(request: Request) -> Backend:
     return backend
 
 
-def _check_model(backend: Backend, model: str | None) -> None:
+def _serving(request: Request, model: str | None) -> Backend:
+    """The backend, if `model` (when given) is the one it serves."""
+    backend = _backend(request)
     if model is not None and model != backend.model_name:
         raise UnknownModelError(
             f"The model '{model}' does not exist; this server serves '{backend.model_name}' "
             "(or omit 'model').",
             param="model",
         )
+    return backend

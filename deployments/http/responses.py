@@ -30,31 +30,24 @@ def model_card(backend) -> dict:
 
 
 def completion_response(result: GenerateResult, model: str) -> dict:
-    choice = TextChoice.construct(
-        index=0,
-        text=result.text,
-        logprobs=completion_logprobs(result.logprobs, 0)[0] if result.logprobs is not None else None,
-        finish_reason=result.finish_reason,
-        stop_reason=result.stop_reason,
-    )
-    return CompletionResponse.construct(
-        id=f"cmpl-{result.request_id}", object="text_completion", **_common(result, model),
-        choices=[choice],
-    ).to_dict()
+    logprobs = completion_logprobs(result.logprobs, 0)[0] if result.logprobs is not None else None
+    choice = TextChoice.construct(text=result.text, logprobs=logprobs, **_finish(result))
+    return _body(CompletionResponse, f"cmpl-{result.request_id}", "text_completion", choice, result, model)
 
 
 def chat_response(result: GenerateResult, model: str, logprobs: bool) -> dict:
-    choice = ChatChoice.construct(
-        index=0,
-        message=ChatCompletionMessage.construct(role="assistant", content=result.text),
-        logprobs=chat_logprobs(result.logprobs) if logprobs else None,
-        finish_reason=result.finish_reason,
-        stop_reason=result.stop_reason,
-    )
-    return ChatCompletionResponse.construct(
-        id=f"chatcmpl-{result.request_id}", object="chat.completion", **_common(result, model),
-        choices=[choice],
-    ).to_dict()
+    message = ChatCompletionMessage.construct(role="assistant", content=result.text)
+    lp = chat_logprobs(result.logprobs) if logprobs else None
+    choice = ChatChoice.construct(message=message, logprobs=lp, **_finish(result))
+    return _body(ChatCompletionResponse, f"chatcmpl-{result.request_id}", "chat.completion", choice, result, model)
+
+
+def _finish(result: GenerateResult) -> dict:
+    return {"index": 0, "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
+
+
+def _body(cls, rid: str, obj: str, choice, result: GenerateResult, model: str) -> dict:
+    return cls.construct(id=rid, object=obj, choices=[choice], **_common(result, model)).to_dict()
 
 
 def _common(result: GenerateResult, model: str) -> dict:
