@@ -23,11 +23,6 @@ class PackedProbs:
     indices: np.ndarray | None = None  # [R, m] int32, m = the largest support of a row
     values: np.ndarray | None = None  # [R, m] float32 (zeros pad rows with smaller support)
 
-    @property
-    def nbytes(self) -> int:
-        parts = (self.dense, self.indices, self.values)
-        return sum(p.nbytes for p in parts if p is not None)
-
 
 def pack_probs(probs: torch.Tensor) -> PackedProbs:
     """Pack [R, V] probabilities, sparse when the widest row's support is under V / 4."""
