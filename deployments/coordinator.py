@@ -5,7 +5,13 @@ All request state (prompt, committed tokens, parameters, effective seed) lives h
 pools hold only caches. A failed draft call is retried on another replica and, failing
 that, the round runs target-only; a failed target call is retried (the replica that
 answers re-prefills from the token list it is sent). Randomness is keyed by (seed,
-position), so none of this changes a seeded request's text.
+position, purpose) and every call carries its full token list, so a retried call computes
+what the lost one would have (given the same logits: `batch_invariant`): retries do not
+change a seeded text. The target-only fallback does, in standard mode: a round without
+proposals samples its token by Gumbel-max, a round with proposals by the accept / residual
+rule, so the text may differ (it is still an exact sample of the target). A
+drafter-invariant request's text is the same with or without its draft (it falls back at
+once), so neither retries nor the fallback change it. README: "What a seed guarantees".
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Counter-based randomness: every random number is a pure function of its coordinates.
 
 A request's random numbers depend only on (seed, absolute output position, purpose) and, for
-Gumbel noise, the token id. There is no stateful generator, so the output of a seeded request
-cannot depend on batch composition, on the replica that served a round, on retries, or on how
-many draws other code made (the failure mode of vLLM's per-request ``torch.Generator``).
+Gumbel noise, the token id. There is no stateful generator, so no random number of a seeded
+request depends on batch composition, on the replica that served a round, on retries, or on
+how many draws other code made (the failure mode of vLLM's per-request ``torch.Generator``).
+Which text a seed gives also depends on the logits and on the mode: README, "What a seed
+guarantees".
 
 The hash is SplitMix64 (Steele, Lea & Flood 2014; the seeder of the xoshiro generators):
 ``value(state, n) = mix(state + n * GAMMA)`` is the n-th output of the stream seeded at
