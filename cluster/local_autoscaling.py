@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from cluster.localcluster import (
     FAST_SERVE_METRICS, alive_nodes, deploy, fake_autoscaling, free_port, log, replica_states,
-    result_line, tiny_app_args, tiny_pair,
+    result_line, tiny_serve_app, tiny_pair,
 )
 
 APP = "specdec"
@@ -63,22 +63,16 @@ def autoscaling(target_ongoing: float) -> dict:
 
 
 def serve_app(draft_dir, target_dir) -> dict:
-    return {
-        "name": APP,
-        "route_prefix": "/",
-        "import_path": "deployments.app:build_app",
-        "args": tiny_app_args(draft_dir, target_dir),
-        "deployments": [
-            {"name": "Coordinator", "num_replicas": 1, "max_ongoing_requests": 64,
-             "ray_actor_options": {"num_cpus": 0.5}, **GRACEFUL},
-            # Draft: scales once ~2 calls are in flight on average.
-            {"name": "Draft", "max_ongoing_requests": 32, "autoscaling_config": autoscaling(1.5),
-             "ray_actor_options": {"num_cpus": 1, "resources": {"draft_node": 1}}, **GRACEFUL},
-            # Target: needs more than 4 to scale.
-            {"name": "Target", "max_ongoing_requests": 32, "autoscaling_config": autoscaling(4),
-             "ray_actor_options": {"num_cpus": 1, "resources": {"target_node": 1}}, **GRACEFUL},
-        ],
-    }
+    return tiny_serve_app(APP, draft_dir, target_dir, [
+        {"name": "Coordinator", "num_replicas": 1, "max_ongoing_requests": 64,
+         "ray_actor_options": {"num_cpus": 0.5}, **GRACEFUL},
+        # Draft: scales once ~2 calls are in flight on average.
+        {"name": "Draft", "max_ongoing_requests": 32, "autoscaling_config": autoscaling(1.5),
+         "ray_actor_options": {"num_cpus": 1, "resources": {"draft_node": 1}}, **GRACEFUL},
+        # Target: needs more than 4 to scale.
+        {"name": "Target", "max_ongoing_requests": 32, "autoscaling_config": autoscaling(4),
+         "ray_actor_options": {"num_cpus": 1, "resources": {"target_node": 1}}, **GRACEFUL},
+    ])
 
 
 WORKER_TYPES = {

@@ -22,7 +22,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.localcluster import (
-    alive_nodes, deploy, free_port, log, multinode, result_line, tiny_app_args, tiny_pair,
+    alive_nodes, deploy, free_port, log, multinode, result_line, tiny_serve_app, tiny_pair,
 )
 
 APP = "specdec"
@@ -32,31 +32,25 @@ PROMPT = "def quicksort(items):"
 def serve_app(draft_dir, target_dir) -> dict:
     """The Serve application: the GPU profile's placement shape on CPU, tiny models."""
     graceful = {"graceful_shutdown_wait_loop_s": 0.5, "graceful_shutdown_timeout_s": 30}
-    return {
-        "name": APP,
-        "route_prefix": "/",
-        "import_path": "deployments.app:build_app",
-        "args": tiny_app_args(draft_dir, target_dir),
-        "deployments": [
-            {"name": "Coordinator", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}, **graceful},
-            {
-                "name": "Draft",
-                "num_replicas": 1,
-                "ray_actor_options": {"num_cpus": 1, "resources": {"draft_node": 1}},
-                **graceful,
-            },
-            {
-                "name": "Target",
-                "num_replicas": 1,
-                "ray_actor_options": {"num_cpus": 1, "resources": {"target_node": 1}},
-                # As in the GPU profile: the replica in bundle 0 (with target_node), more
-                # bundles for tensor-parallel ranks, all on one node.
-                "placement_group_bundles": [{"CPU": 1, "target_node": 1}, {"CPU": 1}],
-                "placement_group_strategy": "STRICT_PACK",
-                **graceful,
-            },
-        ],
-    }
+    return tiny_serve_app(APP, draft_dir, target_dir, [
+        {"name": "Coordinator", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}, **graceful},
+        {
+            "name": "Draft",
+            "num_replicas": 1,
+            "ray_actor_options": {"num_cpus": 1, "resources": {"draft_node": 1}},
+            **graceful,
+        },
+        {
+            "name": "Target",
+            "num_replicas": 1,
+            "ray_actor_options": {"num_cpus": 1, "resources": {"target_node": 1}},
+            # As in the GPU profile: the replica in bundle 0 (with target_node), more
+            # bundles for tensor-parallel ranks, all on one node.
+            "placement_group_bundles": [{"CPU": 1, "target_node": 1}, {"CPU": 1}],
+            "placement_group_strategy": "STRICT_PACK",
+            **graceful,
+        },
+    ])
 
 
 def node_roles() -> dict[str, str]:

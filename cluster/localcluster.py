@@ -253,6 +253,17 @@ def tiny_app_args(draft_dir, target_dir, **overrides) -> dict:
     } | overrides
 
 
+def tiny_serve_app(name: str, draft_dir, target_dir, deployments: list[dict]) -> dict:
+    """One entry of a Serve config's `applications:`, on the tiny pair at route "/"."""
+    return {
+        "name": name,
+        "route_prefix": "/",
+        "import_path": "deployments.app:build_app",
+        "args": tiny_app_args(draft_dir, target_dir),
+        "deployments": deployments,
+    }
+
+
 def result_line(payload: dict) -> None:
     """The one machine-readable line a test looks for in a helper's output."""
     print("RESULT " + json.dumps(payload), flush=True)
