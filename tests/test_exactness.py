@@ -307,3 +307,160 @@ def test_raw_target_is_detected(name):
     # target_probs="raw": the seed's bug, kept as a request option for the benchmark
     params = SamplingParams(**SETTINGS[name], target_probs="raw")
     assert run_setting(f"BROKEN raw target, {name}", params, seed_name=name)[1] < ALPHA
+
+
+# ---- the same test through LocalEngine on a tiny model ----------------------------------------
+# The whole request path: admission, `Generation.plan_k` / `accept` (unpack, rejection sample,
+# commit), `LocalEngine.step` batching run_draft / run_target, and the real `ModelRunner`
+# (its KV cache keeps accepted tokens and drops rejected ones) over a tiny random Qwen2 pair
+# (specdec.tiny) whose vocabulary is cut to V = 8 tokens, so that the exact joint of L = 3
+# tokens (512 outputs) can be enumerated from the target's own logits. The settings' requests
+# share the same engine batches (mixed parameters). The real forward costs far more than the
+# tables, so N is smaller here: this checks the path end to end (an impossible output, a
+# grossly wrong distribution), the table runners above carry the 100k-sample power.
+
+ENGINE_V = 8
+ENGINE_N = 400  # sequences per setting
+ENGINE_PROMPT = [1, 2, 3, 4]
+ENGINE_EOS = 6  # banned until min_tokens (ignore_eos: never a stop)
+
+
+def _engine_setting(name: str) -> dict:
+    """SETTINGS[name] for the engine: stop tokens would end sequences early, so none."""
+    params = {k: v for k, v in SETTINGS[name].items() if k != "stop_token_ids"}
+    return dict(params, ignore_eos=True, max_tokens=L)
+
+
+@pytest.fixture(scope="session")
+def small_pair(tmp_path_factory, tokenizer_dir):
+    """(draft_dir, target_dir): a tiny target with an 8-token vocabulary (the real
+    tokenizer) and a noisy copy of it as the draft."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from specdec.tiny import make_tiny_draft, make_tiny_model
+
+    root = tmp_path_factory.mktemp("small-vocab")
+    tok = root / "tokenizer"
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(tok))
+    (tok / "config.json").write_text(json.dumps({"vocab_size": ENGINE_V}))
+    target = make_tiny_model(root / "target", tok, seed=3, logit_std=1.5)
+    return make_tiny_draft(root / "draft", target, noise=0.6, seed=4), target
+
+
+def _small_engine(pair, batch_invariant: bool):
+    from specdec.local import LocalEngine
+
+    engine = LocalEngine(*pair, num_speculative_tokens=3, dtype="float32",
+                         batch_invariant=batch_invariant)
+    engine.info.eos_token_ids = (ENGINE_EOS,)  # the tokenizer's own EOS is outside V
+    return engine
+
+
+@pytest.fixture(scope="session")
+def small_engine(small_pair):
+    return _small_engine(small_pair, batch_invariant=False)
+
+
+def engine_exact_joint(engine, params: SamplingParams) -> np.ndarray:
+    """P(x1, x2, x3) of direct sampling from the processed target (the engine's runner)."""
+    req = RequestSampling(params, tuple(ENGINE_PROMPT), eos_token_ids=(ENGINE_EOS,))
+    joint = np.ones(1)
+    for t in range(L):
+        prefixes = [tuple(int(d) for d in np.unravel_index(j, (ENGINE_V,) * t))
+                    for j in range(ENGINE_V**t)]
+        items = [(f"exact-{t}-{j}", ENGINE_PROMPT + list(h), 1) for j, h in enumerate(prefixes)]
+        logits = torch.cat(engine.target.extend(items))
+        for rid, _, _ in items:
+            engine.target.release(rid)
+        probs = process_logits(logits, [Row(req, h) for h in prefixes]).probs
+        joint = (joint[:, None] * probs.double().numpy()).reshape(-1)
+    return joint / joint.sum()
+
+
+def engine_chi_square(seqs: np.ndarray, joint: np.ndarray):
+    global V
+    saved, V = V, ENGINE_V  # chi_square reads the module's V
+    try:
+        return chi_square(seqs, joint)
+    finally:
+        V = saved
+
+
+def run_engine(engine, settings: dict[str, dict], tag: str = "") -> dict[str, float]:
+    """ENGINE_N seeded requests per setting, all settings interleaved in the same batches;
+    returns each setting's chi-square p-value."""
+    names = list(settings)
+    requests = [
+        {"prompt_token_ids": ENGINE_PROMPT,
+         "sampling_params": dict(settings[name], seed=zlib.crc32(name.encode()) * 7919 + i)}
+        for i in range(ENGINE_N) for name in names
+    ]
+    results = engine.generate(requests, batch_size=1024)
+    out = {}
+    for j, name in enumerate(names):
+        mine = results[j :: len(names)]
+        seqs = np.array([r.token_ids for r in mine], dtype=np.int64)
+        assert seqs.shape == (ENGINE_N, L)
+        params = SamplingParams(**settings[name])
+        chi2, dof, p, impossible = engine_chi_square(seqs, engine_exact_joint(engine, params))
+        proposed = sum(r.speculation.proposed for r in mine)
+        acc = sum(r.speculation.accepted for r in mine) / max(proposed, 1)
+        label = f"LocalEngine {tag}{name}"
+        RESULTS.append((label, chi2, dof, p, acc, impossible))
+        print(f"\n{label:<52} N={ENGINE_N}: chi2={chi2:.1f} dof={dof} p={p:.3g} "
+              f"acceptance={acc:.3f} impossible outputs={impossible}")
+        out[name] = p
+    return out
+
+
+ENGINE_SETTINGS = {name: _engine_setting(name) for name in SETTINGS}
+ENGINE_SETTINGS["drafter-invariant T0.8,top_p0.9,rep1.2"] = dict(
+    temperature=0.8, top_p=0.9, repetition_penalty=1.2, drafter_invariant=True,
+    ignore_eos=True, max_tokens=L)
+_ENGINE_P: dict[str, float] = {}
+
+
+def engine_clean_p(engine) -> dict[str, float]:
+    if not _ENGINE_P:
+        _ENGINE_P.update(run_engine(engine, ENGINE_SETTINGS))
+    return _ENGINE_P
+
+
+def test_local_engine_output_is_exact_in_every_setting(small_engine):
+    ps = engine_clean_p(small_engine)
+    assert min(ps.values()) > ALPHA, ps
+
+
+def test_local_engine_greedy_equals_target_greedy(small_engine):
+    params = dict(temperature=0, repetition_penalty=1.3, ignore_eos=True, max_tokens=L)
+    joint = engine_exact_joint(small_engine, SamplingParams(**params))
+    expected = list(np.unravel_index(int(joint.argmax()), (ENGINE_V,) * L))
+    results = small_engine.generate([
+        {"prompt_token_ids": ENGINE_PROMPT, "sampling_params": dict(params, seed=s)}
+        for s in range(32)
+    ])
+    assert all(r.token_ids == expected for r in results)
+
+
+def test_one_sampler_with_and_without_speculation(small_pair):
+    # A drafter-invariant request gives the same text at any K, and the same text as the
+    # request at num_speculative_tokens 0 in either mode: one sampler (Gumbel-max keyed by
+    # seed and position) for target-only and drafter-invariant decoding. batch_invariant:
+    # a position's logits are the same in a verify, a decode or a prefill.
+    engine = _small_engine(small_pair, batch_invariant=True)
+    base = dict(temperature=0.9, top_p=0.95, repetition_penalty=1.1, ignore_eos=True,
+                max_tokens=12)
+    variants = [dict(drafter_invariant=True, num_speculative_tokens=k) for k in (0, 2, 5)]
+    variants.append(dict(num_speculative_tokens=0))  # standard mode, target-only
+    seeds = range(100, 110)
+    texts = [
+        [r.token_ids for r in engine.generate([
+            {"prompt_token_ids": ENGINE_PROMPT, "sampling_params": dict(base, seed=s, **v)}
+            for s in seeds])]
+        for v in variants
+    ]
+    for other in texts[1:]:
+        assert other == texts[0]
+    assert len({tuple(t) for t in texts[0]}) == len(seeds)  # the seeds do steer the text
