@@ -46,10 +46,11 @@ with different parameters share every pass; no loop runs over the vocabulary.
 Batch invariance: each row's result is bitwise the same alone or in any batch, at any
 position and with any number of CPU threads (tests/test_processing.py compares with
 `torch.equal`). No row's parameters change how another row is computed (a row's top-p
-window width is its own), and the sums over the vocabulary are `row_sum`, a pairwise tree
-of elementwise additions, instead of torch's `sum`, whose order depends on how many rows
-are reduced and on the thread count. The remaining reductions (max, cumsum, sort, topk,
-scatter-add along a row, softmax) run row by row in a fixed order on CPU.
+window width is its own), and the sums over the vocabulary are `vocab_sum` (fixed blocks,
+then a pairwise tree of elementwise additions) instead of torch's `sum`, whose order
+depends on how many rows are reduced and on the thread count. The remaining reductions
+(max, cumsum, sort, topk, scatter-add along a row, softmax) run row by row in a fixed
+order on CPU.
 """
 
 from __future__ import annotations
@@ -303,7 +304,7 @@ def _filter(z: Tensor, b: _Batch, greedy: Tensor, row_max: Tensor) -> tuple[Tens
     if cut is not None:
         z.masked_fill_(z < cut.unsqueeze(1), NEG_INF)
     probs = torch.sub(z, row_max.unsqueeze(1)).exp_()
-    total = row_sum(probs)
+    total = vocab_sum(probs)
     p_rows = (top_p < 1).nonzero().squeeze(1)
     if len(p_rows):
         total = _filter_top_p(z, probs, total, top_p, p_rows, row_max, cut, win)
@@ -541,7 +542,7 @@ def _top_p_by_histogram(
     pr.masked_fill_(drop, 0.0)
     if pr is not probs:
         z[rows], probs[rows] = zr, pr
-    total[rows] = row_sum(pr)
+    total[rows] = vocab_sum(pr)
 
 
 def _sorted_threshold(vals: Tensor, row: Tensor, n: int, target: Tensor) -> Tensor:
@@ -588,10 +589,11 @@ def row_sum(x: Tensor) -> Tensor:
     """Sum of each row of x [R, C] in a fixed order: a pairwise tree over the columns,
     zero-padded to a power of two (column i + P/2 is added to column i, P halving).
 
-    torch's `sum` splits a long row between threads when few rows are reduced, so its
+    torch's `sum` splits a long row between threads when a single row is reduced, so its
     rounding depends on the batch and the thread count. Elementwise additions round the
     same on every path, so this sum is bitwise the same for a row alone or in any batch,
-    with any number of threads and any zero padding on the right."""
+    with any number of threads and any zero padding on the right. It allocates [R, C / 2]:
+    for rows of the whole vocabulary use `vocab_sum`."""
     rows, w = x.shape
     if w <= 1:
         return x.sum(dim=1) if w else x.new_zeros(rows)
@@ -605,3 +607,24 @@ def row_sum(x: Tensor) -> Tensor:
         acc[:, :half] += acc[:, half:w]
         w = half
     return acc[:, 0].clone()
+
+
+SUM_BLOCK = 1024
+
+
+def vocab_sum(x: Tensor) -> Tensor:
+    """Sum of each row of x [R, V] in an order fixed by V alone: sums of consecutive blocks
+    of SUM_BLOCK columns, then `row_sum` over the block sums and the tail's.
+
+    A block sum is one output of a reduction with at least two outputs per row, which torch
+    never splits between threads (it splits the outputs), so each block is summed by one
+    thread in one fixed order, alone or in any batch; the rest is elementwise. Unlike
+    `row_sum`, no copy of the rows is made."""
+    rows, w = x.shape
+    n = w // SUM_BLOCK
+    if n < 2:
+        return row_sum(x)
+    blocks = x[:, : n * SUM_BLOCK].unfold(1, SUM_BLOCK, SUM_BLOCK).sum(dim=2)  # [R, n]
+    if n * SUM_BLOCK < w:
+        blocks = torch.cat([blocks, row_sum(x[:, n * SUM_BLOCK :]).unsqueeze(1)], dim=1)
+    return row_sum(blocks)

@@ -558,3 +558,20 @@ def test_row_sum_is_a_fixed_order_sum():
     assert torch.equal(row_sum(padded), row_sum(x))
     assert row_sum(torch.ones(3, 1)).tolist() == [1.0] * 3
     assert row_sum(torch.ones(2, 0)).tolist() == [0.0, 0.0]
+
+
+def test_vocab_sum_is_the_same_alone_in_a_batch_and_with_2_threads():
+    from specdec.processing import vocab_sum
+
+    previous = torch.get_num_threads()
+    try:
+        for vocab in (7, 1500, 2048, 40_000, 151_936):
+            x = torch.rand(16, vocab)
+            torch.set_num_threads(1)
+            reference = [vocab_sum(x[i : i + 1]) for i in range(16)]
+            torch.set_num_threads(2)
+            batch = vocab_sum(x)
+            assert all(torch.equal(batch[i : i + 1], reference[i]) for i in range(16)), vocab
+            assert torch.allclose(batch, x.double().sum(1).float())
+    finally:
+        torch.set_num_threads(previous)
