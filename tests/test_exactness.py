@@ -342,6 +342,13 @@ def test_raw_target_is_detected(name):
 
 ENGINE_V = 8
 ENGINE_N = 400  # sequences per setting
+# more for the settings on which test_mutations checks two subtler bugs through the engine
+ENGINE_N_MUTATED = {"combined:T0.8,top_k5,top_p0.9,min_p,pen": 1500,
+                    "presence=0.8,frequency=0.6": 1500}
+
+
+def engine_n(name: str) -> int:
+    return ENGINE_N_MUTATED.get(name, ENGINE_N)
 ENGINE_PROMPT = [1, 2, 3, 4]
 ENGINE_EOS = 6  # banned until min_tokens (ignore_eos: never a stop)
 
@@ -352,22 +359,26 @@ def _engine_setting(name: str) -> dict:
     return dict(params, ignore_eos=True, max_tokens=L)
 
 
-@pytest.fixture(scope="session")
-def small_pair(tmp_path_factory, tokenizer_dir):
+_SMALL: dict = {}  # the pair and engine, shared by every module that asks (made once)
+
+
+def small_pair_dirs(tmp_path_factory, tokenizer_dir):
     """(draft_dir, target_dir): a tiny target with an 8-token vocabulary (the real
     tokenizer) and a noisy copy of it as the draft."""
-    import json
+    if "pair" not in _SMALL:
+        import json
 
-    from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-    from specdec.tiny import make_tiny_draft, make_tiny_model
+        from specdec.tiny import make_tiny_draft, make_tiny_model
 
-    root = tmp_path_factory.mktemp("small-vocab")
-    tok = root / "tokenizer"
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(tok))
-    (tok / "config.json").write_text(json.dumps({"vocab_size": ENGINE_V}))
-    target = make_tiny_model(root / "target", tok, seed=3, logit_std=1.5)
-    return make_tiny_draft(root / "draft", target, noise=0.6, seed=4), target
+        root = tmp_path_factory.mktemp("small-vocab")
+        tok = root / "tokenizer"
+        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(tok))
+        (tok / "config.json").write_text(json.dumps({"vocab_size": ENGINE_V}))
+        target = make_tiny_model(root / "target", tok, seed=3, logit_std=1.5)
+        _SMALL["pair"] = make_tiny_draft(root / "draft", target, noise=0.6, seed=4), target
+    return _SMALL["pair"]
 
 
 def _small_engine(pair, batch_invariant: bool):
@@ -379,9 +390,21 @@ def _small_engine(pair, batch_invariant: bool):
     return engine
 
 
-@pytest.fixture(scope="session")
-def small_engine(small_pair):
-    return _small_engine(small_pair, batch_invariant=False)
+def small_engine_for(tmp_path_factory, tokenizer_dir):
+    """LocalEngine over the small pair (float32, standard kernels)."""
+    if "engine" not in _SMALL:
+        _SMALL["engine"] = _small_engine(small_pair_dirs(tmp_path_factory, tokenizer_dir), False)
+    return _SMALL["engine"]
+
+
+@pytest.fixture
+def small_pair(tmp_path_factory, tokenizer_dir):
+    return small_pair_dirs(tmp_path_factory, tokenizer_dir)
+
+
+@pytest.fixture
+def small_engine(tmp_path_factory, tokenizer_dir):
+    return small_engine_for(tmp_path_factory, tokenizer_dir)
 
 
 def engine_exact_joint(engine, params: SamplingParams) -> np.ndarray:
@@ -410,28 +433,32 @@ def engine_chi_square(seqs: np.ndarray, joint: np.ndarray):
 
 
 def run_engine(engine, settings: dict[str, dict], tag: str = "") -> dict[str, float]:
-    """ENGINE_N seeded requests per setting, all settings interleaved in the same batches;
-    returns each setting's chi-square p-value."""
+    """engine_n(name) seeded requests per setting, all settings interleaved in the same
+    batches; returns each setting's chi-square p-value."""
     names = list(settings)
-    requests = [
-        {"prompt_token_ids": ENGINE_PROMPT,
-         "sampling_params": dict(settings[name], seed=zlib.crc32(name.encode()) * 7919 + i)}
-        for i in range(ENGINE_N) for name in names
-    ]
+    counts = {name: engine_n(name) for name in names}
+    order = [name for i in range(max(counts.values())) for name in names if i < counts[name]]
+    seen = dict.fromkeys(names, 0)
+    requests = []
+    for name in order:
+        seed = zlib.crc32(name.encode()) * 7919 + seen[name]
+        seen[name] += 1
+        requests.append({"prompt_token_ids": ENGINE_PROMPT,
+                         "sampling_params": dict(settings[name], seed=seed)})
     with _no_gc():
         results = engine.generate(requests, batch_size=1024)
     out = {}
-    for j, name in enumerate(names):
-        mine = results[j :: len(names)]
+    for name in names:
+        mine = [r for r, n in zip(results, order) if n == name]
         seqs = np.array([r.token_ids for r in mine], dtype=np.int64)
-        assert seqs.shape == (ENGINE_N, L)
+        assert seqs.shape == (counts[name], L)
         params = SamplingParams(**settings[name])
         chi2, dof, p, impossible = engine_chi_square(seqs, engine_exact_joint(engine, params))
         proposed = sum(r.speculation.proposed for r in mine)
         acc = sum(r.speculation.accepted for r in mine) / max(proposed, 1)
         label = f"LocalEngine {tag}{name}"
         RESULTS.append((label, chi2, dof, p, acc, impossible))
-        print(f"\n{label:<52} N={ENGINE_N}: chi2={chi2:.1f} dof={dof} p={p:.3g} "
+        print(f"\n{label:<52} N={counts[name]}: chi2={chi2:.1f} dof={dof} p={p:.3g} "
               f"acceptance={acc:.3f} impossible outputs={impossible}")
         out[name] = p
     return out

@@ -125,12 +125,18 @@ def test_mutant_is_detected(mutant: Mutant, monkeypatch):
     assert p < ALPHA, f"mutation not detected: p = {p:.3g} on {mutant.setting}"
 
 
-# ---- the seed's bug, through LocalEngine on the tiny model -------------------------------------
+# ---- the three bugs of the serving path, through LocalEngine on the tiny model -----------------
+# (on shared seeds with the clean engine run; N = test_exactness.engine_n(setting))
 
-from test_exactness import (  # noqa: E402,F401
-    ENGINE_SETTINGS, engine_clean_p, run_engine, small_engine, small_pair)
+from test_exactness import (  # noqa: E402
+    ENGINE_SETTINGS, engine_clean_p, run_engine, small_engine_for)
 
-ENGINE_MUTANTS = [m for m in MUTANTS if m.name == "target_raw_in_run_target"]
+
+@pytest.fixture
+def small_engine(tmp_path_factory, tokenizer_dir):
+    return small_engine_for(tmp_path_factory, tokenizer_dir)  # the one test_exactness uses
+
+ENGINE_MUTANTS = [m for m in MUTANTS if m.module is rounds]
 
 
 @pytest.mark.parametrize("mutant", ENGINE_MUTANTS, ids=lambda m: m.name)
