@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from specdec.k_policy import Costs
 from specdec.api_types import GenerateRequest
 from specdec.errors import ContextLengthError, RequestError
 from specdec.params import DEFAULT_NUM_SPECULATIVE_TOKENS, SamplingParams, draw_seed
@@ -31,6 +32,8 @@ class ModelInfo:
     max_context: int
     eos_token_ids: tuple[int, ...]
     default_num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    # Cost table for adaptive K (specdec.k_policy); None: requests use the default K as is.
+    k_costs: Costs | None = None
 
 
 def admit(cls: type[Generation], request: GenerateRequest, info: ModelInfo) -> Generation:
@@ -64,6 +67,7 @@ def admit(cls: type[Generation], request: GenerateRequest, info: ModelInfo) -> G
         sampling=sampling,
         seed=params.seed if params.seed is not None else draw_seed(),
         num_speculative_tokens=info.default_num_speculative_tokens if k is None else k,
+        adaptive_k=k is None and info.k_costs is not None,  # an explicit K is kept as asked
         info=info,
         client_request_id=request.request_id,
     )

@@ -21,6 +21,7 @@ import torch
 
 from specdec import output as views
 from specdec import stopping
+from specdec.k_policy import choose_k
 from specdec.admission import ModelInfo, admit
 from specdec.api_types import GenerateDelta, GenerateRequest, GenerateResult, TokenLogprob
 from specdec.packing import unpack_probs
@@ -54,8 +55,9 @@ class Generation:
     params: SamplingParams
     sampling: RequestSampling
     seed: int
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # the maximum K when adaptive_k
     info: ModelInfo
+    adaptive_k: bool = False
     client_request_id: str | None = None
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -89,7 +91,10 @@ class Generation:
         """Proposals this round: never more than the token budget or the context allow."""
         left = self.params.max_tokens - len(self.output)
         room = self.info.max_context - len(self.prompt_ids) - len(self.output)
-        return max(0, min(self.num_speculative_tokens, left - 1, room - 1))
+        k = self.num_speculative_tokens
+        if self.adaptive_k:  # from this request's own acceptance: never from load or timing
+            k = choose_k(k, self.stats.proposed, self.stats.accepted, self.info.k_costs)
+        return max(0, min(k, left - 1, room - 1))
 
     def draft_call(self, k: int) -> DraftCall:
         self.used_draft = True

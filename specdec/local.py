@@ -17,8 +17,9 @@ from specdec import lockstep
 from specdec.api_types import GenerateRequest, GenerateResult
 from specdec.generation import Generation, ModelInfo
 from specdec.params import DEFAULT_NUM_SPECULATIVE_TOKENS
+from specdec.k_policy import Costs
 from specdec.rounds import Proposal, run_draft, run_target
-from specdec.runner import ModelRunner
+from specdec.runner import DEFAULT_MAX_CACHE_TOKENS, ModelRunner
 from specdec.vocab import eos_token_ids
 
 
@@ -30,8 +31,9 @@ class LocalEngine:
         *,
         num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
         dtype: str = "bfloat16",
-        max_cache_tokens: int = 1 << 20,
+        max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS,
         batch_invariant: bool = False,
+        adaptive_k: bool = False,
     ):
         kw = dict(dtype=dtype, max_cache_tokens=max_cache_tokens, batch_invariant=batch_invariant)
         self.draft = ModelRunner(draft_dir, **kw)
@@ -43,6 +45,9 @@ class LocalEngine:
             max_context=min(self.draft.max_context, self.target.max_context),
             eos_token_ids=eos_token_ids(target_dir, tokenizer),
             default_num_speculative_tokens=num_speculative_tokens,
+            # K per round from each request's acceptance and the runners' calibrated costs
+            k_costs=Costs.from_calibrations(self.draft.calibration(), self.target.calibration())
+            if adaptive_k else None,
         )
 
     def generate(

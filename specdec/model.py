@@ -1,15 +1,18 @@
-"""A compact forward for the Qwen2 / Llama family, with tensor parallelism and a batched
-variable-length KV cache.
+"""A compact forward for the Qwen2 / Llama family, with tensor parallelism, a paged KV pool
+and batched attention.
 
-Why our own: sharding heads and MLP across ranks (issue 6) and feeding many requests of
-different lengths through one forward pass against per-request caches (issue 3) are easier
-to keep right here than inside transformers' modules.
+Why our own: sharding heads and MLP across ranks and feeding many requests of different
+lengths through one forward pass against one KV pool are easier to keep right (and batch
+invariant, see specdec/attention.py and specdec/kernels.py) here than inside transformers'
+modules.
 
 Layout of one forward pass: the new tokens of all requests are concatenated into T rows. Row-
-local work (embedding, norms, linears, RoPE, MLP) runs on [T, hidden]; attention runs per
-request against that request's own cache. Tensor parallel: q/k/v and gate/up are column-
-parallel (each rank holds a slice of the heads / intermediate units), o_proj and down_proj
-are row-parallel and followed by an all-reduce; embedding and lm_head are replicated.
+local work (embedding, norms, linears, RoPE, MLP) runs on [T, hidden]; attention runs once
+per layer for all rows against the pool (`paged_attention`). Every weight matrix is a
+`kernels.Weight` multiplied by the kernel the calibration chose for its shape. Tensor
+parallel: q/k/v and gate/up are column-parallel (each rank holds a slice of the heads /
+intermediate units), o_proj and down_proj are row-parallel and followed by an all-reduce;
+embedding and lm_head are replicated.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from typing import Any, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+
+from specdec import kernels
+from specdec.attention import BLOCK_SIZE, paged_attention, plan_attention
+from specdec.kernels import Kernel, Weight
 
 
 class TensorParallel(NamedTuple):
@@ -81,54 +88,51 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     return ROPE_INIT_FUNCTIONS[rope_type](c, torch.device("cpu"))
 
 
-class KVCache:
-    """One request's keys and values on this rank: [layers, kv_heads, capacity, head_dim].
+class KVPool:
+    """Keys and values of every cached position on this rank, in blocks of BLOCK_SIZE:
+    [layers, num_blocks * BLOCK_SIZE, kv_heads, head_dim]. Block 0 stays zero (the padding
+    block of the attention); the runner hands out the others."""
 
-    `length` positions are valid; cropping sets `length`. Growth reallocates to at least
-    twice the capacity, so copies are rare (amortised O(1) per token)."""
+    def __init__(self, num_layers, num_blocks, num_kv_heads, head_dim, dtype, device):
+        shape = (num_layers, num_blocks * BLOCK_SIZE, num_kv_heads, head_dim)
+        # empty: memory is committed as blocks are handed out (and zeroed) by the runner
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, :BLOCK_SIZE] = 0
+        self.v[:, :BLOCK_SIZE] = 0
+        self.num_blocks = num_blocks
 
-    def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, capacity=0):
-        self.shape = (num_layers, num_kv_heads, 0, head_dim)
-        self.dtype, self.device = dtype, device
-        self.length = 0
-        self.k = self.v = None
-        self.capacity = 0
-        self.reserve(capacity)
-
-    def reserve(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        cap = max(needed, 2 * self.capacity, 16)
-        cap = -(-cap // 16) * 16
-        L, H, _, D = self.shape
-        k = torch.empty(L, H, cap, D, dtype=self.dtype, device=self.device)
-        v = torch.empty_like(k)
-        if self.length:
-            k[:, :, : self.length] = self.k[:, :, : self.length]
-            v[:, :, : self.length] = self.v[:, :, : self.length]
-        self.k, self.v, self.capacity = k, v, cap
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
 
 
 class Segment(NamedTuple):
-    """A request's new rows in one forward: `length` tokens at positions start..start+length-1.
-    Rows of successive segments are consecutive in the batch, in segment order."""
+    """A request's new rows in one forward: `length` tokens at positions start..start+length-1,
+    cached in the pool blocks `block_table`. Rows of successive segments are consecutive in
+    the batch, in segment order."""
 
-    cache: KVCache
+    block_table: Sequence[int]
     start: int
     length: int
 
 
 class Qwen2Model:
-    """Weights and forward for one tensor-parallel rank (the whole model when tp_size == 1)."""
+    """Weights and forward for one tensor-parallel rank (the whole model when tp_size == 1).
 
-    def __init__(self, model_dir, *, dtype=torch.bfloat16, device="cpu", tp_rank: int = 0,
-                 tp_size: int = 1, tp_group=None, row_block: int | None = None):
+    `fmt` is the weight format (kernels.FORMATS); activations and the KV pool use
+    kernels.compute_dtype(fmt). Each weight starts with its format's plain kernel;
+    `use_kernels` installs the calibrated ones."""
+
+    def __init__(self, model_dir, *, fmt: str = "bfloat16", device="cpu", tp_rank: int = 0,
+                 tp_size: int = 1, tp_group=None):
         self.model_dir = Path(model_dir)
         self.config = cfg = ModelConfig.from_dir(model_dir)
-        self.dtype, self.device = dtype, torch.device(device)
+        if fmt not in kernels.FORMATS:
+            raise ValueError(f"weight format {fmt!r}: use one of {kernels.FORMATS}")
+        self.format = fmt
+        self.dtype, self.device = kernels.compute_dtype(fmt), torch.device(device)
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
-        # row_block: compute linears in fixed-size row blocks (batch invariance, issue 7).
-        self.row_block = row_block
         for name, n in (("attention heads", cfg.num_heads), ("kv heads", cfg.num_kv_heads),
                         ("intermediate size", cfg.intermediate_size)):
             if n % tp_size:
@@ -174,56 +178,60 @@ class Qwen2Model:
                 n = sl.get_shape()[shard_dim] // self.tp_size
                 lo, hi = self.tp_rank * n, (self.tp_rank + 1) * n
                 t = sl[lo:hi] if shard_dim == 0 else sl[:, lo:hi]
-            return t.to(device=self.device, dtype=self.dtype).contiguous()
+            return t.to(device=self.device)
+
+        def small(t):  # norms and biases stay in the activation dtype
+            return None if t is None else t.to(self.dtype).contiguous()
+
+        def matrix(ts):  # q, k and v (and gate, up) are fused so that each is one matmul
+            return Weight(torch.cat(ts, 0) if isinstance(ts, list) else ts, self.format)
 
         def cat(ts):
             return torch.cat(ts, 0) if all(t is not None for t in ts) else None
 
-        self.embed = get("model.embed_tokens.weight")
+        embed = get("model.embed_tokens.weight")
+        self.embed = embed.to(self.dtype).contiguous()
         self.layers = []
         for i in range(self.config.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            # q, k and v (and gate, up) are fused so that each is one matmul.
             self.layers.append(dict(
-                ln1=get(p + "input_layernorm.weight"),
-                ln2=get(p + "post_attention_layernorm.weight"),
-                qkv=cat([get(a + f"{x}_proj.weight", 0) for x in "qkv"]),
-                qkv_bias=cat([get(a + f"{x}_proj.bias", 0, optional=True) for x in "qkv"]),
-                o=get(a + "o_proj.weight", 1),
-                o_bias=get(a + "o_proj.bias", optional=True),
-                gate_up=cat([get(m + "gate_proj.weight", 0), get(m + "up_proj.weight", 0)]),
-                down=get(m + "down_proj.weight", 1),
+                ln1=small(get(p + "input_layernorm.weight")),
+                ln2=small(get(p + "post_attention_layernorm.weight")),
+                qkv=matrix([get(a + f"{x}_proj.weight", 0) for x in "qkv"]),
+                qkv_bias=small(cat([get(a + f"{x}_proj.bias", 0, optional=True) for x in "qkv"])),
+                o=matrix(get(a + "o_proj.weight", 1)),
+                o_bias=small(get(a + "o_proj.bias", optional=True)),
+                gate_up=matrix([get(m + "gate_proj.weight", 0), get(m + "up_proj.weight", 0)]),
+                down=matrix(get(m + "down_proj.weight", 1)),
             ))
-        self.norm = get("model.norm.weight")
-        self.lm_head = get("lm_head.weight", optional=True)
-        if self.lm_head is None:
-            self.lm_head = self.embed  # tied embeddings
+        self.norm = small(get("model.norm.weight"))
+        head = get("lm_head.weight", optional=True)
+        self.lm_head = Weight(embed if head is None else head, self.format)  # tied or not
         handles.clear()
+
+    def weights(self) -> list[Weight]:
+        return [w for layer in self.layers for w in layer.values() if isinstance(w, Weight)] + [self.lm_head]
+
+    def weight_shapes(self) -> dict[tuple[int, int], int]:
+        """Distinct weight shapes -> how many matmuls of that shape one forward runs."""
+        counts: dict[tuple[int, int], int] = {}
+        for w in self.weights():
+            counts[w.shape] = counts.get(w.shape, 0) + 1
+        return counts
+
+    def use_kernels(self, chosen: dict[tuple[int, int], Kernel]) -> None:
+        for w in self.weights():
+            w.kernel = chosen[w.shape]
 
     # ------------------------------------------------------------------ pieces
 
-    def new_cache(self, capacity: int = 0) -> KVCache:
+    def new_pool(self, num_blocks: int) -> KVPool:
         c = self.config
-        return KVCache(c.num_layers, self.kv_heads, c.head_dim, self.dtype, self.device, capacity)
+        return KVPool(c.num_layers, num_blocks, self.kv_heads, c.head_dim, self.dtype, self.device)
 
-    def _linear(self, x, w, b=None):
-        # Batch shape is where a row's numerics can depend on the other rows: a GEMM over
-        # [T, hidden] may pick a different kernel / reduction order for a different T. With
-        # row_block set, every matmul runs on blocks of exactly row_block rows (the last one
-        # zero-padded), so a row's result depends only on its own data.
-        B = self.row_block
-        if B is None:
-            return F.linear(x, w, b)
-        T = x.shape[0]
-        pad = -T % B
-        if pad:
-            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        out = torch.cat([F.linear(blk, w, b) for blk in x.split(B)])
-        return out[:T]
-
-    def _row_parallel(self, x, w, b=None):
-        out = self._linear(x, w)
+    def _row_parallel(self, x, w: Weight, b=None):
+        out = w(x)
         if self.tp_size > 1:
             import torch.distributed as dist
 
@@ -248,84 +256,62 @@ class Qwen2Model:
         rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
         return x * cos + rotated * sin
 
-    def _attention(self, i, layer, x, cos, sin, segments):
-        c, H, KV = self.config, self.heads, self.kv_heads
-        D = c.head_dim
-        qkv = self._linear(x, layer["qkv"], layer["qkv_bias"])
+    def _attention(self, i, layer, x, cos, sin, pool: KVPool, plan):
+        H, KV, D = self.heads, self.kv_heads, self.config.head_dim
+        qkv = layer["qkv"](x, layer["qkv_bias"])  # [T, (H + 2 KV) D]
         q, k, v = qkv.split([H * D, KV * D, KV * D], -1)
         q = self._apply_rope(q.view(-1, H, D), cos, sin)
         k = self._apply_rope(k.view(-1, KV, D), cos, sin)
-        v = v.view(-1, KV, D)
-        out = torch.empty_like(q)
-        row = 0
-        for seg in segments:  # each request attends to its own cache only
-            r, s, n = slice(row, row + seg.length), seg.start, seg.length
-            seg.cache.k[i, :, s : s + n] = k[r].transpose(0, 1)
-            seg.cache.v[i, :, s : s + n] = v[r].transpose(0, 1)
-            keys = seg.cache.k[i, :, : s + n].unsqueeze(0)
-            vals = seg.cache.v[i, :, : s + n].unsqueeze(0)
-            out[r] = self._attend(q[r].transpose(0, 1).unsqueeze(0), keys, vals, s)[0].transpose(0, 1)
-            row += n
+        out = paged_attention(q, k, v.view(-1, KV, D), pool.k[i], pool.v[i], plan)  # [T, H, D]
         return self._row_parallel(out.reshape(-1, H * D), layer["o"], layer["o_bias"])
 
-    def _attend(self, q, keys, vals, start: int):
-        """q [1, H, n, D] at positions start.. over keys / vals [1, KV, start + n, D], causal."""
-        n, gqa = q.shape[2], self.heads != self.kv_heads
-        if self.row_block is not None and n > 1:  # one row: the plain call below is the same
-            # Invariant mode: each position attends exactly as a one-row decode step would, so
-            # its output does not depend on how many positions are computed together (prefill,
-            # a K+1-row verify, a re-prefill after failover); SDPA blocks by query length.
-            return torch.cat([
-                F.scaled_dot_product_attention(q[:, :, j : j + 1], keys[:, :, : start + j + 1],
-                                               vals[:, :, : start + j + 1], enable_gqa=gqa)
-                for j in range(n)], dim=2)
-        mask = None
-        if n > 1 and start > 0:  # causal, offset by the cached prefix
-            qpos = torch.arange(start, start + n, device=q.device)[:, None]
-            mask = torch.arange(start + n, device=q.device)[None, :] <= qpos
-        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask,
-                                              is_causal=(n > 1 and start == 0), enable_gqa=gqa)
-
     def _mlp(self, layer, x):
-        gate, up = self._linear(x, layer["gate_up"]).chunk(2, -1)
+        gate, up = layer["gate_up"](x).chunk(2, -1)
         return self._row_parallel(F.silu(gate) * up, layer["down"])
 
     # ------------------------------------------------------------------ forward
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, pool: KVPool,
                 segments: Sequence[Segment], logit_rows: torch.Tensor) -> torch.Tensor:
-        """Feeds `tokens` [T] at `positions` [T] (rows grouped by `segments`, whose caches
-        must have capacity for start + length and receive the new keys / values) and returns
-        float32 logits [len(logit_rows), vocab] for the selected rows."""
-        x = F.embedding(tokens, self.embed)
+        """Feeds `tokens` [T] at `positions` [T] (rows grouped by `segments`, whose block
+        tables must cover start + length; the pool receives the new keys / values) and
+        returns float32 logits [len(logit_rows), vocab] for the selected rows."""
+        plan = plan_attention(segments, self.device)
+        x = F.embedding(tokens, self.embed)  # [T, hidden]
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, self._rms_norm(x, layer["ln1"]), cos, sin, segments)
+            x = x + self._attention(i, layer, self._rms_norm(x, layer["ln1"]), cos, sin, pool, plan)
             x = x + self._mlp(layer, self._rms_norm(x, layer["ln2"]))
         h = self._rms_norm(x[logit_rows], self.norm)
-        return self._linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
 
     def weight_bytes(self) -> int:
         """Bytes of weights this rank reads per forward (for bandwidth figures)."""
-        ts = [self.lm_head, self.norm]  # the embedding is only indexed, a few rows
-        ts += [t for layer in self.layers for t in layer.values() if t is not None]
-        return sum(t.numel() * t.element_size() for t in ts)
+        small = [self.norm] + [t for layer in self.layers for t in layer.values()
+                               if isinstance(t, torch.Tensor)]
+        return sum(w.nbytes for w in self.weights()) + sum(t.numel() * t.element_size() for t in small)
 
 
-def load_model(model_dir, *, dtype=torch.bfloat16, device="cpu", tp: TensorParallel | None = None,
-               row_block: int | None = None) -> Qwen2Model:
+def load_model(model_dir, *, fmt: str = "bfloat16", device="cpu",
+               tp: TensorParallel | None = None) -> Qwen2Model:
     tp = tp or TensorParallel()
-    return Qwen2Model(model_dir, dtype=dtype, device=device, tp_rank=tp.rank, tp_size=tp.size,
-                      tp_group=tp.group, row_block=row_block)
+    return Qwen2Model(model_dir, fmt=fmt, device=device, tp_rank=tp.rank, tp_size=tp.size,
+                      tp_group=tp.group)
 
 
-def parse_dtype(dtype) -> torch.dtype:
+def parse_format(dtype) -> str:
+    """A dtype name (or torch dtype) -> weight format name; 'auto' passes through."""
     if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-             "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype, str(dtype))
+    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+             "int8": "int8", "auto": "auto"}
     if dtype not in names:
         raise ValueError(f"dtype {dtype!r}: use one of {sorted(names)}")
     return names[dtype]
 
+
+def parse_dtype(dtype) -> torch.dtype:
+    """The activation dtype of a dtype / format name."""
+    fmt = parse_format(dtype)
+    return torch.bfloat16 if fmt == "auto" else kernels.compute_dtype(fmt)

@@ -1,44 +1,147 @@
-"""ModelRunner: per-request KV caches over our compact forward (docs/ARCHITECTURE.md).
+"""ModelRunner: requests' KV caches in one paged pool over our compact forward
+(docs/ARCHITECTURE.md).
 
 Every call carries the full token list a request must condition on; the cache is only a
 cache. The runner reuses the longest cached prefix, drops the rest (how rejected proposals
 leave the cache, and how a replica that never saw a request re-prefills), and feeds the new
-tokens of all requests in one forward pass.
+tokens of all requests in one forward pass. Capacity is counted in pool blocks of
+BLOCK_SIZE positions; least recently used requests outside a call are evicted for it.
+
+At load the runner picks its weight format (`dtype="auto"`) and each weight shape's matmul
+kernel by measurement on this machine (specdec/kernels.py), and reports the choice.
 
 With tensor parallelism every rank holds a ModelRunner and must receive the same calls in
-the same order; all cache decisions (reuse, eviction) are deterministic functions of the
-call sequence, so the ranks' caches stay in step.
+the same order; all cache decisions (reuse, eviction, block allocation) are deterministic
+functions of the call sequence, so the ranks' caches stay in step.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from specdec import kernels
+from specdec.attention import BLOCK_SIZE
 from specdec.errors import CapacityError, ContextLengthError, RequestError
-from specdec.model import KVCache, Segment, TensorParallel, load_model, parse_dtype
+from specdec.kernels import Kernel
+from specdec.model import ModelConfig, Segment, TensorParallel, load_model, parse_format
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CACHE_TOKENS = 65_536
+# A seed-safe configuration costing more than this many times the fastest is said plainly.
+EXPENSIVE_INVARIANCE = 1.25
 
 
-def default_row_block(device, dtype) -> int:
-    """Rows per matmul block in batch-invariant mode. On CPU, bf16 / fp16 matmuls cost in
-    proportion to their rows (measured on an AVX2 machine), so padding only wastes: one row
-    per block. Elsewhere (fp32 on CPU, GPUs) a wider block keeps big matmuls efficient."""
-    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        return 1
-    return 16
+def matmul_shapes(config: ModelConfig, tp_size: int = 1) -> dict[tuple[int, int], int]:
+    """The [out, in] shapes of one rank's weight matrices -> matmuls per forward."""
+    c, D = config, config.head_dim
+    qkv = ((c.num_heads + 2 * c.num_kv_heads) * D // tp_size, c.hidden_size)
+    o = (c.hidden_size, c.num_heads * D // tp_size)
+    gate_up = (2 * c.intermediate_size // tp_size, c.hidden_size)
+    down = (c.hidden_size, c.intermediate_size // tp_size)
+    counts: dict[tuple[int, int], int] = {}
+    for shape in [qkv, o, gate_up, down] * c.num_layers + [(c.vocab_size, c.hidden_size)]:
+        counts[shape] = counts.get(shape, 0) + 1
+    return counts
+
+
+@dataclass
+class KernelChoice:
+    """What the calibration chose for one runner, as reported in logs, replica state,
+    metrics and the benchmark JSON."""
+
+    format: str
+    batch_invariant: bool
+    kernels: dict[str, str]  # "out x in" -> kernel name
+    forward_ms: list[float]  # estimated matmul ms per forward at kernels.PROFILE_ROWS
+    fastest_forward_ms: list[float]  # the same with the fastest kernels, invariant or not
+    invariant_ok: bool  # every shape had a kernel that passed the bitwise check
+    formats_ms: dict[str, list[float]] = field(default_factory=dict)  # dtype=auto's candidates
+    machine: str = field(default_factory=kernels.machine_key)
+
+    @property
+    def invariance_cost(self) -> float:
+        return sum(self.forward_ms) / max(sum(self.fastest_forward_ms), 1e-9)
+
+    def to_dict(self) -> dict:
+        return dict(format=self.format, batch_invariant=self.batch_invariant, kernels=self.kernels,
+                    forward_ms={r: round(m, 2) for r, m in zip(kernels.PROFILE_ROWS, self.forward_ms)},
+                    fastest_forward_ms={r: round(m, 2) for r, m in
+                                        zip(kernels.PROFILE_ROWS, self.fastest_forward_ms)},
+                    invariance_cost=round(self.invariance_cost, 3), invariant_ok=self.invariant_ok,
+                    formats_ms={f: [round(m, 2) for m in ms] for f, ms in self.formats_ms.items()},
+                    machine=self.machine)
+
+
+def choose_format(shapes: dict[tuple[int, int], int], device, batch_invariant: bool,
+                  formats=kernels.FORMATS) -> tuple[str, dict[str, list[float]]]:
+    """dtype=auto: the weight format whose (invariant, when asked) matmuls are fastest over
+    the profile rows (a decode, a K+1-row verify, a batch) on this machine. GPUs: bf16."""
+    if torch.device(device).type != "cpu":
+        return "bfloat16", {}
+    estimates = {}
+    for fmt in formats:
+        est = kernels.forward_ms(kernels.calibrate(list(shapes), fmt), shapes, batch_invariant)
+        if est is not None:
+            estimates[fmt] = est
+    best = min(estimates, key=lambda f: sum(estimates[f]))
+    return best, estimates
+
+
+def resolve_format(model_dir, dtype, device, batch_invariant: bool, tp_size: int = 1) -> str:
+    """A concrete weight format for `dtype` ('auto' measured here). Tensor-parallel ranks
+    must agree: the replica resolves it once and hands every rank the result."""
+    fmt = parse_format(dtype)
+    if fmt != "auto":
+        return fmt
+    return choose_format(matmul_shapes(ModelConfig.from_dir(model_dir), tp_size), device,
+                         batch_invariant)[0]
+
+
+def choose_kernels(shapes: dict[tuple[int, int], int], fmt: str, device,
+                   batch_invariant: bool) -> tuple[dict[tuple[int, int], Kernel], KernelChoice]:
+    if torch.device(device).type != "cpu":  # GPU: fixed 16-row blocks keep GEMMs invariant
+        block = 16 if batch_invariant else None
+        chosen = {s: Kernel(fmt, "linear", block) for s in shapes}
+        return chosen, KernelChoice(fmt, batch_invariant, {f"{s[0]}x{s[1]}": k.name for s, k in chosen.items()},
+                                    [], [], True)
+    cal = kernels.calibrate(list(shapes), fmt)
+    fastest = kernels.forward_ms(cal, shapes, invariant=False)
+    invariant = kernels.forward_ms(cal, shapes, invariant=True)
+    invariant_ok = invariant is not None
+    chosen = {}
+    for s, c in cal.items():
+        name = c.fastest_invariant if batch_invariant and c.fastest_invariant else c.fastest
+        chosen[s] = Kernel.parse(name)
+    est = (invariant if batch_invariant and invariant_ok else fastest)
+    return chosen, KernelChoice(fmt, batch_invariant, {f"{s[0]}x{s[1]}": k.name for s, k in chosen.items()},
+                                est, fastest, invariant_ok)
+
+
+def _report(choice: KernelChoice, model_dir) -> None:
+    logger.info("%s: weights %s, kernels %s, est. matmul ms at rows %s: %s",
+                Path(model_dir).name, choice.format, choice.kernels, kernels.PROFILE_ROWS,
+                [round(m, 1) for m in choice.forward_ms])
+    if choice.batch_invariant and not choice.invariant_ok:
+        logger.warning("batch_invariant: NO matmul kernel passed the bitwise invariance check "
+                       "on this machine for some weight shape; seeded outputs may depend on the "
+                       "batch. Kernels: %s", choice.kernels)
+    elif choice.batch_invariant and choice.invariance_cost > EXPENSIVE_INVARIANCE:
+        logger.warning("batch_invariant costs %.2fx the fastest matmuls on this machine",
+                       choice.invariance_cost)
 
 
 @dataclass
 class _Sequence:
     tokens: list[int]  # what the cache holds, position by position
-    cache: KVCache
+    blocks: list[int]  # pool blocks holding positions 16 i .. 16 i + 15
 
 
 @dataclass
@@ -47,6 +150,10 @@ class _Step:
     tokens: list[int]
     num_logits: int
     reuse: int  # cached positions kept
+
+
+def _blocks_for(n_tokens: int) -> int:
+    return -(-n_tokens // BLOCK_SIZE)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -67,28 +174,37 @@ class ModelRunner:
     """Runs one model (or one tensor-parallel rank of it) over many requests' KV caches.
 
     Not re-entrant: one caller at a time (a lock serialises calls; the deployment already
-    does). `batch_invariant=True` computes every matmul in fixed blocks of `row_block` rows and
-    each position's attention as a one-row decode step would, so that a position's logits
-    depend neither on which other requests share the forward pass nor on how many of its own
-    positions are fed together (prefill, verify, decode). Measured on the 2-core AVX2 machine: bf16 matmul rows
-    were already independent of the batch (bitwise, 1..1024 rows), fp32 ones were not (1-3
-    rows vs 4+ differ), so the mode matters for fp32 and for other backends."""
+    does). `batch_invariant=True` uses, for every weight shape, the cheapest matmul kernel
+    that passed the calibration's bitwise check, so that a position's logits depend neither
+    on which other requests share the forward pass nor on how many of its own positions are
+    fed together (prefill, verify, decode); the attention is invariant in both modes.
+    `kernels` overrides the calibration ({shape: Kernel}), e.g. to bypass it in tests."""
 
     def __init__(self, model_dir, *, dtype="bfloat16", device="cpu",
                  max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS,
                  tp: TensorParallel | None = None, batch_invariant: bool = False,
-                 row_block: int | None = None):
+                 kernels: dict[tuple[int, int], Kernel] | None = None):
         self.model_dir = Path(model_dir)  # a model folder: callers resolve names first
-        dtype = parse_dtype(dtype)
-        if batch_invariant:
-            row_block = row_block or default_row_block(device, dtype)
-        self.model = load_model(self.model_dir, dtype=dtype, device=device, tp=tp,
-                                row_block=row_block if batch_invariant else None)
+        tp = tp or TensorParallel()
+        shapes = matmul_shapes(ModelConfig.from_dir(self.model_dir), tp.size)
+        fmt, formats_ms = parse_format(dtype), {}
+        if fmt == "auto":
+            fmt, formats_ms = choose_format(shapes, device, batch_invariant)
+        self.model = load_model(self.model_dir, fmt=fmt, device=device, tp=tp)
+        chosen, self.kernel_choice = choose_kernels(shapes, fmt, device, batch_invariant)
+        self.kernel_choice.formats_ms = formats_ms
+        self.model.use_kernels(kernels or chosen)
+        if kernels:
+            self.kernel_choice.kernels = {f"{s[0]}x{s[1]}": k.name for s, k in kernels.items()}
+        _report(self.kernel_choice, self.model_dir)
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
         self.max_context = self.config.max_position_embeddings
         self.max_cache_tokens = int(max_cache_tokens)
         self.batch_invariant = batch_invariant
+        self.num_blocks = _blocks_for(self.max_cache_tokens)
+        self.pool = self.model.new_pool(self.num_blocks + 1)  # block 0: the zero block
+        self._free = list(range(self.num_blocks, 0, -1))  # pop() hands out low blocks first
         self._seqs: OrderedDict[str, _Sequence] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
@@ -105,14 +221,30 @@ class ModelRunner:
 
     def release(self, request_id) -> None:
         with self._lock:
-            self._seqs.pop(request_id, None)
+            seq = self._seqs.pop(request_id, None)
+            if seq is not None:
+                self._free_blocks(seq.blocks)
 
     def cache_usage(self) -> dict:
         with self._lock:
+            used = self.num_blocks - len(self._free)
             return dict(sequences=len(self._seqs),
                         tokens=sum(len(s.tokens) for s in self._seqs.values()),
-                        capacity_tokens=sum(s.cache.capacity for s in self._seqs.values()),
-                        max_cache_tokens=self.max_cache_tokens)
+                        capacity_tokens=used * BLOCK_SIZE, max_cache_tokens=self.max_cache_tokens,
+                        blocks_used=used, blocks_total=self.num_blocks, block_size=BLOCK_SIZE,
+                        pool_bytes=self.pool.nbytes)
+
+    def calibration(self) -> dict:
+        return self.kernel_choice.to_dict()
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Switches the mode on a loaded runner (the calibration is cached: no reload)."""
+        shapes = self.model.weight_shapes()
+        chosen, choice = choose_kernels(shapes, self.model.format, self.model.device, on)
+        choice.formats_ms = self.kernel_choice.formats_ms
+        with self._lock:
+            self.model.use_kernels(chosen)
+            self.kernel_choice, self.batch_invariant = choice, on
 
     # ------------------------------------------------------------------ steps
 
@@ -144,34 +276,49 @@ class ModelRunner:
         return steps
 
     def _make_room(self, steps: list[_Step]) -> None:
-        """Evicts least recently used requests outside this call until it fits."""
-        need = sum(len(s.tokens) for s in steps)
-        if need > self.max_cache_tokens:
+        """Evicts least recently used requests outside this call until its blocks fit."""
+        need = sum(_blocks_for(len(s.tokens)) for s in steps)
+        if need > self.num_blocks:
+            tokens = sum(len(s.tokens) for s in steps)
             raise CapacityError(
-                f"this call needs {need} cache tokens for {len(steps)} request(s), more than "
-                f"max_cache_tokens={self.max_cache_tokens}; send fewer or shorter requests "
+                f"this call needs {need} cache blocks ({tokens} tokens) for {len(steps)} "
+                f"request(s), more than the pool's {self.num_blocks} blocks of {BLOCK_SIZE} "
+                f"(max_cache_tokens={self.max_cache_tokens}); send fewer or shorter requests "
                 "per call, or raise max_cache_tokens")
         in_call = {s.request_id for s in steps}
-        others = sum(len(q.tokens) for r, q in self._seqs.items() if r not in in_call)
+        held = sum(len(self._seqs[s.request_id].blocks) for s in steps if s.request_id in self._seqs)
         for rid in [r for r in self._seqs if r not in in_call]:
-            if others + need <= self.max_cache_tokens:
+            if len(self._free) + held >= need:
                 break
-            others -= len(self._seqs.pop(rid).tokens)
+            self._free_blocks(self._seqs.pop(rid).blocks)
+
+    def _free_blocks(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def _take_block(self) -> int:
+        block = self._free.pop()
+        span = slice(block * BLOCK_SIZE, (block + 1) * BLOCK_SIZE)
+        self.pool.k[:, span] = 0  # finite values in the slots masked out until written
+        self.pool.v[:, span] = 0
+        return block
 
     def _run(self, steps: list[_Step]) -> list[torch.Tensor]:
         tokens, positions, segments, logit_rows = [], [], [], []
         for step in steps:
             seq = self._seqs.get(step.request_id)
             if seq is None:
-                seq = self._seqs[step.request_id] = _Sequence([], self.model.new_cache())
+                seq = self._seqs[step.request_id] = _Sequence([], [])
             self._seqs.move_to_end(step.request_id)
             # Crop first: if the forward fails, the cache still describes seq.tokens.
             seq.tokens = seq.tokens[: step.reuse]
-            seq.cache.length = step.reuse
+            keep = _blocks_for(len(step.tokens))
+            self._free_blocks(seq.blocks[keep:])
+            del seq.blocks[keep:]
+            while len(seq.blocks) < keep:
+                seq.blocks.append(self._take_block())
             n = len(step.tokens) - step.reuse
-            seq.cache.reserve(len(step.tokens))
             if n:
-                segments.append(Segment(seq.cache, step.reuse, n))
+                segments.append(Segment(seq.blocks, step.reuse, n))
             row = len(tokens) + n
             logit_rows.extend(range(row - step.num_logits, row))
             tokens.extend(step.tokens[step.reuse :])
@@ -179,12 +326,10 @@ class ModelRunner:
         if tokens:
             dev = self.model.device
             as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-            logits = self.model.forward(as_long(tokens), as_long(positions), segments,
+            logits = self.model.forward(as_long(tokens), as_long(positions), self.pool, segments,
                                         as_long(logit_rows))
         else:
             logits = torch.empty(0, self.vocab_size)
         for step in steps:
-            seq = self._seqs[step.request_id]
-            seq.tokens = step.tokens
-            seq.cache.length = len(step.tokens)
+            self._seqs[step.request_id].tokens = step.tokens
         return list(logits.split([s.num_logits for s in steps]))

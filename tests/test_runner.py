@@ -102,11 +102,9 @@ def test_requests_of_different_lengths_in_one_call_match_each_alone(runner_facto
         torch.testing.assert_close(together[rid], alone[rid], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,row_block", [("float32", None), ("float32", 1),
-                                             ("bfloat16", None), ("bfloat16", 16)])
-def test_batch_invariant_mode_is_bitwise_equal(runner_factory, dtype, row_block):
-    alone, together = _alone_and_together(runner_factory, dtype=dtype, batch_invariant=True,
-                                          row_block=row_block)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_batch_invariant_mode_is_bitwise_equal(runner_factory, dtype):
+    alone, together = _alone_and_together(runner_factory, dtype=dtype, batch_invariant=True)
     for rid in alone:
         assert torch.equal(together[rid], alone[rid]), rid
 
@@ -123,42 +121,76 @@ def _logits_by_schedule(runner, ids, prompt_len, ends):
     return torch.cat(got)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_batch_invariant_mode_is_invariant_to_how_positions_are_fed(runner_factory, dtype):
     """A position's logits are bit-identical whether it comes in a whole prefill, a K+1-row
     verify or a one-token decode (so greedy speculative == greedy target-only exactly, and a
-    re-prefill after failover changes nothing). Without the mode they are not (the check
-    can fail)."""
+    re-prefill after failover changes nothing)."""
     ids, prompt_len = _prompt(48, seed=3), 12
-    schedules = {"prefill": [48], "verify": list(range(17, 48, 5)) + [48],
-                 "decode": list(range(13, 49))}
+    runner = runner_factory(dtype=dtype, batch_invariant=True)
+    got = {name: _logits_by_schedule(runner, ids, prompt_len, ends)
+           for name, ends in SCHEDULES.items()}
+    assert [torch.equal(got["decode"], got[name]) for name in ("prefill", "verify")] == [True, True]
+
+
+SCHEDULES = {"prefill": [48], "verify": list(range(17, 48, 5)) + [48], "decode": list(range(13, 49))}
+
+
+def test_calibration_picks_an_invariant_kernel_for_a_shape_dependent_gemm(runner_factory, monkeypatch, tmp_path):
+    """With an emulated GPU-like GEMM whose reduction split depends on the row count, the
+    calibration rejects the native kernel and the runner stays bitwise invariant; bypassing
+    the calibration (native kernels forced) makes the same check fail."""
+    from specdec import kernels
+    from specdec.kernels import Kernel
+
+    monkeypatch.setattr(kernels, "_cache_file", lambda: tmp_path / "calibration.json")
+    monkeypatch.setattr(kernels, "_op", emulated_split_k(kernels._op))
+    ids, prompt_len = _prompt(48, seed=3), 12
     results = {}
-    for invariant in (True, False):
-        runner = runner_factory(dtype=dtype, batch_invariant=invariant)
+    for mode in ("calibrated", "bypassed"):
+        runner = runner_factory(dtype="float32", batch_invariant=True)
+        if mode == "bypassed":
+            runner.model.use_kernels({s: Kernel("float32", "linear", None) for s in runner.model.weight_shapes()})
+        else:
+            assert all(":b" in name for name in runner.calibration()["kernels"].values())
         got = {name: _logits_by_schedule(runner, ids, prompt_len, ends)
-               for name, ends in schedules.items()}
-        results[invariant] = [torch.equal(got["decode"], got[name]) for name in ("prefill", "verify")]
-    assert results[True] == [True, True]
-    assert results[False] != [True, True]
+               for name, ends in SCHEDULES.items()}
+        results[mode] = [torch.equal(got["decode"], got[name]) for name in ("prefill", "verify")]
+    assert results["calibrated"] == [True, True]
+    assert results["bypassed"] != [True, True]
+
+
+def emulated_split_k(op):
+    """A kernel whose numerics depend on the row count, as GPU GEMMs' split-K choice does: 4
+    K-splits under 4 rows, 2 up to 16, 1 above, each split's partial rounded to bf16."""
+    def split_op(name, x, data, scales):
+        m, k = x.shape[0], x.shape[-1]
+        splits = 4 if m < 4 else 2 if m <= 16 else 1
+        if splits == 1 or k % splits or name == "int8mm":
+            return op(name, x, data, scales)
+        parts = [op(name, xs, ws.contiguous(), scales).to(torch.bfloat16).float()
+                 for xs, ws in zip(x.chunk(splits, -1), data.chunk(splits, -1))]
+        return sum(parts).to(x.dtype)
+    return split_op
 
 
 def test_capacity_error_when_the_call_alone_does_not_fit(runner_factory):
-    runner = runner_factory(max_cache_tokens=50)
+    runner = runner_factory(max_cache_tokens=64)  # 4 blocks of 16
     runner.extend([("a", _prompt(20), 1)])
-    with pytest.raises(CapacityError, match="needs 60 cache tokens .* max_cache_tokens=50"):
-        runner.extend([("b", _prompt(30, seed=1), 1), ("c", _prompt(30, seed=2), 1)])
+    with pytest.raises(CapacityError, match="needs 6 cache blocks .80 tokens.*max_cache_tokens=64"):
+        runner.extend([("b", _prompt(40, seed=1), 1), ("c", _prompt(40, seed=2), 1)])
     assert runner.cache_usage()["tokens"] == 20  # nothing changed
 
 
 def test_lru_eviction_of_requests_outside_the_call(runner_factory):
-    runner = runner_factory(max_cache_tokens=50)
+    runner = runner_factory(max_cache_tokens=80)  # 5 blocks
     a, b, c = _prompt(20, seed=1), _prompt(20, seed=2), _prompt(20, seed=3)
     runner.extend([("a", a, 1)])
     runner.extend([("b", b, 1)])
     runner.extend([("a", a + [5], 1)])  # a is now the most recently used
-    runner.extend([("c", c, 1)])  # 21 + 20 + 20 > 50: b goes
+    runner.extend([("c", c, 1)])  # 2 + 2 + 2 blocks > 5: b goes
     usage = runner.cache_usage()
-    assert usage["sequences"] == 2 and usage["tokens"] == 41
+    assert usage["sequences"] == 2 and usage["tokens"] == 41 and usage["blocks_used"] == 4
     fed = _count_fed(runner)
     runner.extend([("a", a + [5, 6], 1)])
     runner.extend([("b", b, 1)])  # b re-prefills; c (least recent) is evicted for it
@@ -166,18 +198,21 @@ def test_lru_eviction_of_requests_outside_the_call(runner_factory):
     assert runner.cache_usage()["tokens"] == 42
 
 
-def test_cache_grows_geometrically_without_copies_per_step(runner_factory):
+def test_kv_pool_is_allocated_once_and_used_in_blocks(runner_factory):
     runner = runner_factory()
     ids = _prompt(10)
     runner.extend([("a", ids, 1)])
-    buffers = set()
+    pool = runner.pool.k.data_ptr()
     for t in range(100):
         ids = ids + [t]
         runner.extend([("a", ids, 1)])
-        buffers.add(runner._seqs["a"].cache.k.data_ptr())
     usage = runner.cache_usage()
-    assert len(buffers) <= 4  # 16 -> 32 -> 64 -> 128 slots: a handful of reallocations
-    assert usage["tokens"] == 110 and usage["capacity_tokens"] < 2 * 110
+    assert runner.pool.k.data_ptr() == pool  # no reallocation, ever
+    assert usage["tokens"] == 110 and usage["blocks_used"] == 7  # ceil(110 / 16)
+    runner.extend([("a", ids[:40], 1)])  # a crop hands blocks back
+    assert runner.cache_usage()["blocks_used"] == 3
+    runner.release("a")
+    assert runner.cache_usage()["blocks_used"] == 0
 
 
 def test_release(runner_factory):

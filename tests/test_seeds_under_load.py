@@ -5,8 +5,9 @@ lengths and parameters.
 Counter-based randomness removes the random-stream part; what remains is numeric: a matmul
 whose result for one row depends on the batch shape (another kernel, another reduction
 order) can flip a sampling or acceptance decision. `ModelRunner(batch_invariant=True)` runs
-every linear layer on fixed row blocks (16 rows; 1 for bf16 on CPU), so a row's numbers
-cannot depend on the rest of the batch; attention is per request already.
+every weight shape with the cheapest matmul kernel that the load-time calibration found
+bitwise invariant on this machine, so a row's numbers cannot depend on the rest of the
+batch; the paged attention is invariant by construction.
 
 The harness drives `LocalEngine.step`, i.e. exactly the batched `run_draft` / `run_target`
 calls the Draft and Target deployments make for a `@serve.batch`, over a schedule that
@@ -92,58 +93,50 @@ def background_request(rng: random.Random, vocab: int = 30_000) -> dict:
 # ---- engine ---------------------------------------------------------------------------------
 
 
-def row_block_of(runner) -> int:
-    """The row block ModelRunner(batch_invariant=True) picks for this runner's model."""
-    if hasattr(runner_module, "default_row_block"):
-        return runner_module.default_row_block(runner.model.device, runner.model.dtype)
-    return runner_module.DEFAULT_ROW_BLOCK
+def kernels_of(runner) -> dict:
+    """The matmul kernels ModelRunner(batch_invariant=...) chose for this runner's model."""
+    return runner.calibration()["kernels"]
 
 
 def set_batch_invariant(engine: LocalEngine, on: bool) -> None:
-    """What ModelRunner(batch_invariant=on) sets up, switched on loaded runners (no reload):
-    the model reads `row_block` at every linear."""
+    """What ModelRunner(batch_invariant=on) sets up, switched on loaded runners (no reload)."""
     for runner in (engine.draft, engine.target):
-        runner.model.row_block = row_block_of(runner) if on else None
-        runner.batch_invariant = on
+        runner.set_batch_invariant(on)
 
 
 @contextlib.contextmanager
 def emulate_split_k(engine: LocalEngine):
-    """Make the linear kernel batch-variant the way GPU GEMMs are: the number of K-splits
+    """Make the matmul kernels batch-variant the way GPU GEMMs are: the number of K-splits
     is chosen from the row count M (4 under 4 rows, 2 up to 16, 1 above), and each split's
-    partial sum is rounded to bf16 before they are added (bf16 outputs, as on a GPU). On
-    this CPU the bf16 GEMM happens to be batch-invariant already, so this is how the
-    harness proves it detects a batch-variant kernel."""
-    import torch.nn.functional as F
+    partial sum is rounded to bf16 before they are added. The calibration runs again under
+    it (a private cache), so batch_invariant=True must find kernels that stay invariant."""
+    import tempfile
+    from pathlib import Path
 
-    import specdec.model as model_module
+    from specdec import kernels
 
-    chunks: dict[tuple[int, int], list[torch.Tensor]] = {}  # weight slices, made contiguous once
+    saved = kernels._op, kernels._cache_file
+    cache = Path(tempfile.mkdtemp()) / "calibration.json"
+    op = kernels._op
 
-    def linear(x, w, b=None):
+    def split_op(name, x, data, scales):
         m, k = x.shape[0], x.shape[-1]
         splits = 4 if m < 4 else 2 if m <= 16 else 1
-        if splits == 1 or k % splits:
-            return F.linear(x, w, b)
-        key = (w.data_ptr(), splits)
-        if key not in chunks:
-            chunks[key] = [c.contiguous() for c in w.chunk(splits, -1)]
-        parts = [F.linear(xs, ws).to(torch.bfloat16).float() for xs, ws in zip(x.chunk(splits, -1), chunks[key])]
-        out = sum(parts).to(x.dtype)
-        return out if b is None else out + b
+        if splits == 1 or k % splits or name == "int8mm":
+            return op(name, x, data, scales)
+        parts = [op(name, xs, ws.contiguous(), scales).to(torch.bfloat16).float()
+                 for xs, ws in zip(x.chunk(splits, -1), data.chunk(splits, -1))]
+        return sum(parts).to(x.dtype)
 
-    proxy = types.SimpleNamespace(**{n: getattr(F, n) for n in dir(F) if not n.startswith("__")})
-    proxy.linear = linear
-    saved = model_module.F
-    model_module.F = proxy
+    kernels._op, kernels._cache_file = split_op, (lambda: cache)
     try:
         yield
     finally:
-        model_module.F = saved
+        kernels._op, kernels._cache_file = saved
 
 
 def load_engine(pair, dtype: str, k: int = 4) -> LocalEngine:
-    return LocalEngine(*pair, num_speculative_tokens=k, dtype=dtype, max_cache_tokens=1 << 20)
+    return LocalEngine(*pair, num_speculative_tokens=k, dtype=dtype, max_cache_tokens=1 << 16)
 
 
 # ---- runs -----------------------------------------------------------------------------------
@@ -313,23 +306,27 @@ def tiny_engine_2(tiny_pair):
     return load_engine(tiny_pair, "float32", k=3)
 
 
-def test_runner_flag_sets_the_row_blocks(tiny_pair):
-    """set_batch_invariant mirrors ModelRunner(batch_invariant=...)."""
+def test_runner_flag_sets_the_kernels(tiny_pair):
+    """set_batch_invariant on a loaded runner mirrors ModelRunner(batch_invariant=...)."""
     from specdec.runner import ModelRunner
 
     for dtype in ("float32", "bfloat16"):
-        runner = ModelRunner(tiny_pair[1], dtype=dtype, batch_invariant=True)
-        assert runner.model.row_block == row_block_of(runner)
-        assert ModelRunner(tiny_pair[1], dtype=dtype).model.row_block is None
+        for on in (False, True):
+            loaded = ModelRunner(tiny_pair[1], dtype=dtype, batch_invariant=on)
+            switched = ModelRunner(tiny_pair[1], dtype=dtype, batch_invariant=not on)
+            switched.set_batch_invariant(on)
+            assert kernels_of(switched) == kernels_of(loaded)
 
 
 def test_tiny_logits_batch_dependence(tiny_engine):
-    """fp32 GEMMs here are batch-variant (M=1 and M<4 take other kernels), so the sharp
-    detector must see differences without row blocks and none with them."""
+    """With a batch-variant kernel (emulated: this CPU's own may be invariant already) the
+    sharp detector sees differences without the mode and none with it."""
+    with emulate_split_k(tiny_engine):
+        set_batch_invariant(tiny_engine, False)
+        variant = logit_batch_dependence(tiny_engine.target)
+        set_batch_invariant(tiny_engine, True)
+        invariant = logit_batch_dependence(tiny_engine.target)
     set_batch_invariant(tiny_engine, False)
-    variant = logit_batch_dependence(tiny_engine.target)
-    set_batch_invariant(tiny_engine, True)
-    invariant = logit_batch_dependence(tiny_engine.target)
     print("tiny logits: batch_invariant=False", variant, "True", invariant)
     assert variant["differing_requests"] > 0, variant
     assert invariant["differing_requests"] == 0, invariant
@@ -456,7 +453,7 @@ def main(argv=None) -> None:
     dtype = args.dtype or dtype
     engine = load_engine(pair, dtype, k)
     report = {"pair": args.pair, "dtype": dtype, "num_speculative_tokens": k,
-              "row_block": row_block_of(engine.target),
+              "kernels": kernels_of(engine.target),
               "threads": torch.get_num_threads(), "emulate_split_k": args.emulate_split_k,
               "torch": torch.__version__, "results": {}}
     with emulate_split_k(engine) if args.emulate_split_k else contextlib.nullcontext():
