@@ -337,8 +337,9 @@ def test_raw_target_is_detected(name):
 # (specdec.tiny) whose vocabulary is cut to V = 8 tokens, so that the exact joint of L = 3
 # tokens (512 outputs) can be enumerated from the target's own logits. The settings' requests
 # share the same engine batches (mixed parameters). The real forward costs far more than the
-# tables, so N is smaller here: this checks the path end to end (an impossible output, a
-# grossly wrong distribution), the table runners above carry the 100k-sample power.
+# tables, so N is smaller here (400 per setting; 1500 on the two settings where
+# test_mutations checks the draft's reported q and the target's history through the engine):
+# this checks the path end to end, the table runners above carry the 100k-sample power.
 
 ENGINE_V = 8
 ENGINE_N = 400  # sequences per setting
