@@ -9,22 +9,27 @@ from __future__ import annotations
 import argparse
 import sys
 
-# Defaults sized to finish inside 30 minutes on the 2-core AVX2 CPU with the default pair
-# (about 1.7 target-only tokens/s there): 40 output tokens instead of the issue's 128, which
-# `--max-tokens 128` (or --full, the complete grid: hours on a CPU) restores. --quick: minutes.
-DEFAULTS = dict(ks="1,2,3,4", settings="greedy,t0.6p0.9,t1.0", raw_settings="t0.6p0.9",
-                concurrency="1,8", batched_settings="t0.6p0.9", batched_as_is=False,
-                max_tokens=40, num_prompts=1, datasets="humaneval,prose", guard_n=96,
-                guard_k=3, guard_tokens=3, guard_concurrency=48, hf_prompts=1,
-                hf_settings="greedy,t0.6p0.9")
+# Defaults: the shipped configuration side by side (12 HumanEval prompts x 64 tokens one at a
+# time and 8 in one batch, greedy and T=0.6 / top_p=0.9, invariant and not), transformers'
+# assisted generation on the same prompts, the seed's as-is vs fixed table at K=3, the guard.
+# About 40 minutes on the 2-core CPU with the default pair; --quick: minutes.
+DEFAULTS = dict(ks="3", settings="t0.6p0.9", raw_settings="t0.6p0.9", concurrency="1",
+                batched_settings="t0.6p0.9", batched_as_is=False, max_tokens=40, num_prompts=1,
+                datasets="humaneval,prose", guard_n=96, guard_k=3, guard_tokens=3,
+                guard_concurrency=48, hf_prompts=12, hf_settings="greedy,t0.6p0.9",
+                shipped=True, shipped_prompts=12, shipped_batch=8, shipped_tokens=64,
+                shipped_settings="greedy,t0.6p0.9")
 QUICK = dict(ks="1,3", settings="greedy,t0.6p0.9", raw_settings="t0.6p0.9", concurrency="1,4",
              batched_settings="t0.6p0.9", batched_as_is=False, max_tokens=32, num_prompts=1,
              datasets="humaneval,prose", guard_n=48, guard_k=3, guard_tokens=2,
-             guard_concurrency=48, hf_prompts=1, hf_settings="greedy")
+             guard_concurrency=48, hf_prompts=1, hf_settings="greedy", shipped=True,
+             shipped_prompts=2, shipped_batch=4, shipped_tokens=16, shipped_settings="t0.6p0.9")
 FULL = dict(ks="1,2,3,4", settings="greedy,t0.6p0.9,t1.0", raw_settings="all",
             concurrency="1,8", batched_settings="all", batched_as_is=True, max_tokens=128,
             num_prompts=8, datasets="humaneval,prose", guard_n=600, guard_k=4, guard_tokens=4,
-            guard_concurrency=64, hf_prompts=4, hf_settings="greedy,t0.6p0.9")
+            guard_concurrency=64, hf_prompts=12, hf_settings="greedy,t0.6p0.9", shipped=True,
+            shipped_prompts=12, shipped_batch=8, shipped_tokens=128,
+            shipped_settings="greedy,t0.6p0.9")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-settings", help=f"transformers baseline settings [{DEFAULTS['hf_settings']}]")
     p.add_argument("--hf-assistant-tokens", type=int, help="transformers baseline: draft "
                    "tokens per round, constant (default: transformers' own defaults)")
+    p.add_argument("--shipped", dest="shipped", action="store_true", default=None,
+                   help="measure the shipped configuration (ray_config.yaml) side by side")
+    p.add_argument("--no-shipped", dest="shipped", action="store_false")
+    p.add_argument("--shipped-prompts", type=int, help="shipped: HumanEval prompts one at a "
+                   f"time [{DEFAULTS['shipped_prompts']}]")
+    p.add_argument("--shipped-batch", type=int, help="shipped: prompts in one batch "
+                   f"[{DEFAULTS['shipped_batch']}]")
+    p.add_argument("--shipped-tokens", type=int, help="shipped: output tokens per request "
+                   f"[{DEFAULTS['shipped_tokens']}]")
+    p.add_argument("--shipped-settings", help=f"shipped: settings [{DEFAULTS['shipped_settings']}]")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the short warm-up generation")
     p.add_argument("--out", default="results/benchmark", help="output folder")

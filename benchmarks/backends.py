@@ -197,10 +197,10 @@ class LocalBackend:
 
     kind = "in-process"
 
-    def __init__(self, draft_dir, target_dir, *, dtype: str = "bfloat16") -> None:
+    def __init__(self, draft_dir, target_dir, *, dtype: str = "bfloat16", **engine_args) -> None:
         from specdec.local import LocalEngine
 
-        self.engine = LocalEngine(draft_dir, target_dir, dtype=dtype)
+        self.engine = LocalEngine(draft_dir, target_dir, dtype=dtype, **engine_args)
         self.draft = self.engine.draft = _TimedRunner(self.engine.draft)
         self.target = self.engine.target = _TimedRunner(self.engine.target)
         self.tokenizer = self.engine.info.tokenizer
@@ -209,6 +209,7 @@ class LocalBackend:
         self.describe = {
             "backend": self.kind, "draft": str(draft_dir), "target": str(target_dir),
             "dtype": dtype, "torch_threads": torch.get_num_threads(),
+            "formats": [self.draft.runner.model.format, self.target.runner.model.format],
             "draft_weight_bytes": self.draft_bytes, "target_weight_bytes": self.target_bytes,
         }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# vLLM PR 10198, Llama-3-70B / 8B, T=0.6 top_p=0.9, batch 1 (DESIGN.md section 2).
+# vLLM PR 10198, Llama-3-70B / 8B, T=0.6 top_p=0.9, batch 1 (as published in that pull request).
 SEED_TABLE = {1: (65.1, 81.9, 82.5, 91.0), 2: (63.3, 80.5, 68.3, 82.3), 3: (62.4, 80.2, 57.4, 75.4)}
 
 
@@ -165,6 +165,10 @@ def markdown(report: dict, images: list[str] = ()) -> str:
     v = report["verdict"]
     lines += ["## Verdict", "", "OK" if v["ok"] else "**PROBLEM**", ""]
     lines += [f"- {f}" for f in v["flags"]] + [""]
+    if report.get("shipped"):
+        from benchmarks.shipped import markdown as shipped_markdown
+
+        lines += shipped_markdown(report["shipped"], report.get("transformers"))
     lines += ["## The seed's table (as-is = raw target probabilities, fixed = processed)", "",
               "acceptance = α, the per-token acceptance probability (accepted / tested "
               "proposals; vLLM's metric estimates the same); system efficiency = emitted / "

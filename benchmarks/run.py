@@ -17,7 +17,7 @@ from benchmarks import prompts as prompt_sets
 from benchmarks.guard import greedy_exactness, run_guard
 from benchmarks.stats import alpha_from_mean_accepted, tokens_per_round
 
-MACHINE_BANDWIDTH_GBPS = 21.0  # DESIGN.md section 6: measured memory read bandwidth
+MACHINE_BANDWIDTH_GBPS = 21.0  # memory read bandwidth measured on the 2-core development machine
 
 
 # ---- settings ------------------------------------------------------------------------------
@@ -143,10 +143,8 @@ def summarize(outputs, stats, *, k: int, backend, datasets: list[str]) -> dict:
                 row["overlap_z"] = 0.0 if abs(gap) < 0.5 else math.inf
         row["full_accept_rounds"] = log.full
     elif k and proposed:
-        spec_rounds = sum(1 for s in spec if s.get("proposed"))
         row["alpha"] = alpha_from_mean_accepted(accepted / rounds, k) if rounds else None
         row["alpha_source"] = "solved from mean accepted per round"
-        del spec_rounds
     row["tokens_per_round_analytic"] = tokens_per_round(row.get("alpha"), k) if k else 1.0
     if stats.draft_passes or stats.target_passes:
         row.update(
@@ -209,8 +207,9 @@ def _keys(text) -> set[str]:
 
 
 def resolve_dtype(dtype: str) -> str:
-    """'auto': bfloat16 where the CPU computes it natively (AVX-512 BF16 or AMX), else
-    float32 (on AVX2-only CPUs torch emulates bf16 matmuls, several times slower)."""
+    """transformers' dtype for 'auto': bfloat16 where the CPU computes it natively (AVX-512
+    BF16 or AMX), else float32 (on AVX2-only CPUs torch emulates bf16 matmuls, several times
+    slower). Our engine measures its own choice (specdec.runner.choose_format)."""
     if dtype != "auto":
         return dtype
     import torch
@@ -254,7 +253,11 @@ def run(args) -> dict:
     import torch
 
     started = time.time()
-    args.dtype = resolve_dtype(args.dtype)
+    hf_dtype = resolve_dtype(args.dtype)
+    for key, value in dict(shipped=False, shipped_prompts=12, shipped_batch=8, shipped_tokens=64,
+                           shipped_settings="greedy,t0.6p0.9").items():
+        if getattr(args, key, None) is None:  # callers that build args without the parser
+            setattr(args, key, value)
     settings = [parse_setting(s) for s in args.settings.split(",") if s.strip()]
     machine_before = _machine()
 
@@ -299,7 +302,8 @@ def run(args) -> dict:
     cells = plan_cells(args, settings)
     n_guard = (1 + len(args.guard_arms)) if args.guard_n else 0
     n_hf = 2 * len(args.hf_settings.split(",")) if args.hf_prompts and not args.url else 0
-    progress = Progress(len(cells) + n_guard + n_hf + (1 if args.warmup else 0),
+    n_shipped = 13 * len(args.shipped_settings.split(",")) if args.shipped and not args.url else 0
+    progress = Progress(len(cells) + n_guard + n_hf + n_shipped + (1 if args.warmup else 0),
                         enabled=not args.no_progress)
     results, outputs_by_cell = [], {}
 
@@ -344,6 +348,21 @@ def run(args) -> dict:
             if ref:
                 greedy.append({"k": k, "concurrency": c, **greedy_exactness(outs, ref)})
 
+    # The shipped configuration (ray_config.yaml) side by side, on its own engine.
+    shipped = None
+    if args.shipped and not args.url:
+        from benchmarks.shipped import run_shipped
+
+        backend.close()  # one engine in memory at a time
+        he = [p for p in pool if p.dataset == "humaneval"] or pool
+        he_ids = [tok(p.text, add_special_tokens=True)["input_ids"] for p in
+                  (he[i % len(he)] for i in range(max(args.shipped_prompts, args.shipped_batch)))]
+        shipped = run_shipped(draft_dir, target_dir, he_ids,
+                              [parse_setting(x) for x in args.shipped_settings.split(",")],
+                              single=args.shipped_prompts, batch=args.shipped_batch,
+                              max_tokens=args.shipped_tokens, seed0=args.seed,
+                              progress=progress.cell)
+
     # The guard against fast-but-wrong.
     guard = None
     if args.guard_n:
@@ -366,11 +385,13 @@ def run(args) -> dict:
         from benchmarks.hf_baseline import run_hf_baseline
 
         _, ids = prompts_for(1)
+        if shipped:  # the shipped section's prompts, so that the two compare
+            ids = he_ids
         hf_settings = [(st.key, st.params) for st in
                        (parse_setting(x) for x in args.hf_settings.split(","))]
         hf = run_hf_baseline(draft_dir, target_dir, ids[: args.hf_prompts], hf_settings,
-                             max_tokens=args.max_tokens, ignore_eos=not args.natural_length,
-                             dtype=args.dtype, seed0=args.seed, progress=progress.cell,
+                             max_tokens=args.shipped_tokens if shipped else args.max_tokens, ignore_eos=not args.natural_length,
+                             dtype=hf_dtype, seed0=args.seed, progress=progress.cell,
                              assistant_tokens=args.hf_assistant_tokens)
         for row in hf["rows"]:
             ours = next((r for r in results if r["setting"] == row["setting"]
@@ -404,6 +425,7 @@ def run(args) -> dict:
         "greedy_exactness": greedy,
         "guard": guard,
         "transformers": hf,
+        "shipped": shipped,
         "torch_threads": torch.get_num_threads(),
     }
     report["verdict"] = verdict(report)

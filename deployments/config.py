@@ -27,7 +27,9 @@ class RunnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str  # "default-draft" / "default-target", a local folder, or a hub id
-    dtype: str = "bfloat16"
+    # Weight format: bfloat16, float32, int8 (weight-only, per output channel, bf16 compute)
+    # or auto: the fastest of them for this pool's calls, measured on the machine at load.
+    dtype: str = "auto"
     device: str = "cpu"
     max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS  # KV cache bound, over all sequences held
     num_threads: int | None = None  # torch threads; None = every core of the machine
@@ -36,9 +38,10 @@ class RunnerConfig(BaseModel):
     # Ranks of one replica (heads and MLP sharded, KV cache by head). The deployment's
     # placement_group_bundles must hold one bundle per rank; rank i runs in bundle i.
     tensor_parallel_size: int = Field(1, ge=1)
-    # Fixed-shape matmul blocks and one-row attention, so a position's numbers depend neither
-    # on the rest of the batch nor on how many positions are fed together: seeded output stays
-    # identical under load, across K and after a re-prefill. Costs some speed.
+    # Matmul kernels that the load-time calibration found bitwise batch-invariant on this
+    # machine (the attention is invariant in both modes), so a position's numbers depend
+    # neither on the rest of the batch nor on how many positions are fed together: seeded
+    # output stays identical under load, across K and after a re-prefill.
     batch_invariant: bool = False
 
 
@@ -48,8 +51,16 @@ class CoordinatorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     served_model_name: str = "specdec-qwen2.5-coder"
-    # Default K; a request may set its own (0 = target-only).
+    # Default K (with adaptive_k: the largest K a round may use); a request may set its own
+    # (0 = target-only), which is then used as is.
     num_speculative_tokens: int = Field(DEFAULT_NUM_SPECULATIVE_TOKENS, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    # K per round from each request's own acceptance and the pools' measured costs
+    # (specdec/k_policy.py), for requests that do not set num_speculative_tokens.
+    adaptive_k: bool = True
+    # The cost table adaptive K uses: {draft_ms, target_rows, target_ms}. None: taken once from
+    # the pools' calibrations when the coordinator starts. Pin it to make standard-mode seeded
+    # texts reproducible across deployments and machines (drafter-invariant texts are anyway).
+    k_costs: dict | None = None
     # A lost draft replica: standard-mode requests retry (another replica, or the
     # replacement Serve starts) for up to this long, then run target-only rounds; that keeps
     # a seeded text unchanged whenever a replica is back in time. Drafter-invariant requests

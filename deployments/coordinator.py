@@ -34,6 +34,7 @@ from deployments.http import make_app
 from deployments.metrics import CoordinatorMetrics
 from specdec.api_types import GenerateDelta, GenerateRequest, GenerateResult
 from specdec.errors import RequestError
+from specdec.k_policy import Costs
 from specdec.generation import Generation, ModelInfo, RoundResult, RoundTimes, generate_stream
 from specdec.models import check_same_tokenizer, resolve_model
 from specdec.params import SamplingParams
@@ -73,6 +74,7 @@ class Coordinator:
             default_num_speculative_tokens=self.config.num_speculative_tokens,
         )
         self.max_context = self.info.max_context
+        self._k_costs_lock = asyncio.Lock()
 
     def __serve_build_asgi_app__(self):
         return make_app(self)
@@ -106,7 +108,28 @@ class Coordinator:
     # ---- internals ----------------------------------------------------------------------
 
     async def _admit(self, request, sampling_params) -> Generation:
+        if self.config.adaptive_k and self.info.k_costs is None:
+            await self._load_k_costs()
         return Generation.admit(_as_request(request, sampling_params), self.info)
+
+    async def _load_k_costs(self) -> None:
+        """Once per replica, before the first request: the cost table adaptive K uses, from
+        the config or else from the pools' load-time calibrations (which a node caches, so
+        every replica on it reads the same table). Fixed from then on: a request's K
+        sequence depends on its own acceptance only."""
+        async with self._k_costs_lock:
+            if self.info.k_costs is not None:
+                return
+            if self.config.k_costs:
+                costs = Costs(**{k: tuple(v) if isinstance(v, list) else v
+                                 for k, v in self.config.k_costs.items()})
+            else:
+                draft, target = await asyncio.gather(self.draft.calibration.remote(),
+                                                     self.target.calibration.remote())
+                costs = Costs.from_calibrations(draft, target)
+            logger.info("adaptive K up to %d with costs %s", self.config.num_speculative_tokens,
+                        costs.to_dict())
+            self.info.k_costs = costs
 
     async def _rounds(self, gen: Generation) -> AsyncIterator[GenerateDelta]:
         started = time.perf_counter()

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specdec.model import TensorParallel
 from specdec.net import free_port
-from specdec.runner import ModelRunner
+from specdec.runner import ModelRunner, resolve_format
 from specdec.runner_api import ExtendItem, Runner
 
 
@@ -71,6 +71,9 @@ class TensorParallelRunner(Runner):
                 f"tensor_parallel_size={size} needs a placement group of {size} bundles: set "
                 "the deployment's placement_group_bundles (one per rank)"
             )
+        # dtype auto: measured once here, so that every rank loads the same format
+        fmt = resolve_format(path, config.dtype, config.device, config.batch_invariant, size)
+        config = config.model_copy(update={"dtype": fmt})
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
         threads = torch.get_num_threads()
         self.workers = [
@@ -103,6 +106,9 @@ class TensorParallelRunner(Runner):
 
     def cache_usage(self) -> dict:
         return self.local.cache_usage()
+
+    def calibration(self) -> dict:
+        return self.local.calibration()  # rank 0's; every rank calibrates its own shard
 
 
 def default_threads(size: int) -> int:

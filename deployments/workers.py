@@ -79,6 +79,10 @@ class _ModelServer:
     async def cache_usage(self) -> dict:
         return await self._run(self.runner.cache_usage)
 
+    async def calibration(self) -> dict:
+        """The weight format and matmul kernels measured at load (specdec.kernels)."""
+        return self.runner.calibration()
+
 
 @serve.deployment(name="Draft")
 class Draft(_ModelServer):

@@ -74,9 +74,26 @@ def test_benchmark_smoke(tiny_pair, tmp_path):
         "--datasets", "humaneval,prose",
         "--guard-n", "32", "--guard-k", "2", "--guard-tokens", "2", "--guard-concurrency", "32",
         "--hf-prompts", "1", "--hf-settings", "greedy", "--no-progress",
+        "--shipped-prompts", "2", "--shipped-batch", "2", "--shipped-tokens", "6",
+        "--shipped-settings", "greedy,t0.6p0.9",
     ])
     report = json.loads((out / "results.json").read_text())
     assert rc == 0, report["verdict"]
+
+    shipped = report["shipped"]  # ray_config.yaml's configuration, invariant and not
+    assert shipped["config"]["batch_invariant"] is True and shipped["config"]["adaptive_k"] is True
+    assert shipped["calibration"]["target"]["format"] in ("float32", "bfloat16", "int8")
+    assert shipped["calibration"]["k_costs"]["draft_ms"] > 0
+    modes = {(r["batch_invariant"], r["setting"], r["concurrency"], r["mode"]) for r in shipped["rows"]}
+    for inv in (True, False):
+        for c in (1, 2):
+            for mode in ("target-only", "speculative"):
+                assert (inv, "greedy", c, mode) in modes
+    assert (True, "t0.6p0.9", 1, "drafter-invariant") in modes
+    for r in shipped["rows"]:
+        assert r["tokens"] == r["requests"] * 6 and r["speedup"] > 0
+        if r["batch_invariant"] and r["setting"] == "greedy" and r["mode"] == "speculative":
+            assert r["greedy_identical"] == r["requests"]  # greedy speculative == target-only
 
     cells = report["cells"]
     keys = {(c["setting"], c["mode"], c["k"], c["concurrency"]) for c in cells}
@@ -118,6 +135,7 @@ def test_benchmark_smoke(tiny_pair, tmp_path):
 
     md = (out / "report.md").read_text()
     assert "| K | acceptance as-is | acceptance fixed | system efficiency as-is" in md
+    assert "## The shipped configuration (ray_config.yaml, in process)" in md
     assert "MISMATCH (control: must be flagged)" in md
     for png in ("acceptance_vs_k.png", "tokens_per_s_vs_k.png", "asis_vs_fixed.png"):
         assert (out / png).stat().st_size > 1000

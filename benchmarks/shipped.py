@@ -1,0 +1,154 @@
+"""The shipped configuration, side by side in one run: what `ray_config.yaml` deploys, run in
+process on the same engine as target-only decoding (K = 0), with and without batch
+invariance, at concurrency 1 and in one batch; plus the calibration the runners chose.
+
+Every ratio is measured in this run: speculative / target-only for the same setting,
+concurrency and mode; invariant / non-invariant for the same cell.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import yaml
+
+
+CONFIG = Path(__file__).resolve().parent.parent / "ray_config.yaml"
+
+
+def shipped_config(path: Path = CONFIG):
+    """The AppConfig of the first application in a Serve config file."""
+    from deployments.config import AppConfig
+
+    apps = yaml.safe_load(Path(path).read_text())["applications"]
+    return AppConfig.model_validate(apps[0].get("args") or {})
+
+
+def _requests(prompt_ids, params: dict, *, k, max_tokens: int, seed0: int, extra=None) -> list[dict]:
+    reqs = []
+    for i, ids in enumerate(prompt_ids):
+        sp = dict(params, max_tokens=max_tokens, min_tokens=max_tokens, seed=seed0 + i, **(extra or {}))
+        if k is not None:
+            sp["num_speculative_tokens"] = k
+        reqs.append({"prompt_token_ids": list(ids), "sampling_params": sp})
+    return reqs
+
+
+def _row(outs, stats, **keys) -> dict:
+    tokens = sum(o.num_tokens for o in outs)
+    spec = [o.speculation for o in outs]
+    proposed = sum(s.get("proposed") or 0 for s in spec)
+    accepted = sum(s.get("accepted") or 0 for s in spec)
+    rounds = sum(s.get("rounds") or 0 for s in spec)
+    decode_s = stats.wall_s - stats.first_step_s
+    return dict(keys, requests=len(outs), tokens=tokens, wall_s=stats.wall_s,
+                tokens_per_s=tokens / stats.wall_s,
+                decode_tokens_per_s=(tokens - stats.first_step_tokens) / decode_s if decode_s > 0 else None,
+                acceptance_rate=accepted / proposed if proposed else None,
+                mean_k=proposed / rounds if rounds else 0.0,
+                tokens_per_round=tokens / rounds if rounds else None,
+                texts=[o.token_ids for o in outs])
+
+
+def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *, single: int,
+                batch: int, max_tokens: int, seed0: int, progress=None, config_path: Path = CONFIG) -> dict:
+    """settings: benchmarks.run.Setting list. single: prompts run one at a time; batch: the
+    concurrency (and number of prompts) of the batched cells."""
+    from benchmarks.backends import LocalBackend
+
+    cfg = shipped_config(config_path)
+    t0 = time.perf_counter()
+    backend = LocalBackend(draft_dir, target_dir, dtype=cfg.target.dtype,
+                           batch_invariant=cfg.target.batch_invariant, adaptive_k=cfg.adaptive_k,
+                           num_speculative_tokens=cfg.num_speculative_tokens)
+    load_s = time.perf_counter() - t0
+    engine = backend.engine
+    calibration = {"draft": engine.draft.calibration(), "target": engine.target.calibration(),
+                   "k_costs": engine.info.k_costs.to_dict() if engine.info.k_costs else None}
+    shipped_inv = cfg.target.batch_invariant
+    rows = []
+    backend.run(_requests(prompt_ids[:1], {"temperature": 1.0}, k=None, max_tokens=4, seed0=0), 1)
+    for invariant in (shipped_inv, not shipped_inv):
+        for runner in (engine.draft, engine.target):
+            runner.set_batch_invariant(invariant)
+        for s in settings:
+            for c, n in ((1, single), (batch, batch)):
+                cells = [("target-only", 0, None), ("speculative", None, None)]
+                if invariant == shipped_inv and c == 1 and not s.greedy:
+                    cells.append(("drafter-invariant", None, {"drafter_invariant": True}))
+                for mode, k, extra in cells:
+                    reqs = _requests(prompt_ids[:n], s.params, k=k, max_tokens=max_tokens,
+                                     seed0=seed0, extra=extra)
+                    cb = progress(f"shipped inv={invariant} {s.label} {mode} c={c}",
+                                  len(reqs) * max_tokens) if progress else None
+                    outs, stats = backend.run(reqs, c, progress=cb)
+                    rows.append(_row(outs, stats, batch_invariant=invariant, setting=s.key,
+                                     setting_label=s.label, concurrency=c, mode=mode,
+                                     k="adaptive" if k is None and cfg.adaptive_k else k))
+    for runner in (engine.draft, engine.target):
+        runner.set_batch_invariant(shipped_inv)
+    _ratios(rows, shipped_inv)
+    describe = dict(backend.describe, load_s=load_s)
+    backend.close()
+    for r in rows:
+        del r["texts"]
+    return {"config": {"dtype": cfg.target.dtype, "draft_dtype": cfg.draft.dtype,
+                       "batch_invariant": shipped_inv, "adaptive_k": cfg.adaptive_k,
+                       "num_speculative_tokens": cfg.num_speculative_tokens,
+                       "max_tokens": max_tokens, "single_prompts": single, "batch": batch},
+            "engine": describe, "calibration": calibration, "rows": rows}
+
+
+def _ratios(rows: list[dict], shipped_inv: bool) -> None:
+    def find(**keys):
+        return next((r for r in rows if all(r[k] == v for k, v in keys.items())), None)
+
+    for r in rows:
+        base = find(batch_invariant=r["batch_invariant"], setting=r["setting"],
+                    concurrency=r["concurrency"], mode="target-only")
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        if r["decode_tokens_per_s"] and base["decode_tokens_per_s"]:
+            r["decode_speedup"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        if r["setting"] == "greedy" and r["mode"] == "speculative":
+            r["greedy_identical"] = sum(a == b for a, b in zip(r["texts"], base["texts"]))
+        other = find(batch_invariant=not r["batch_invariant"], setting=r["setting"],
+                     concurrency=r["concurrency"], mode=r["mode"])
+        if r["batch_invariant"] == shipped_inv and other:
+            r["vs_other_mode"] = r["tokens_per_s"] / other["tokens_per_s"]
+
+
+def markdown(section: dict, hf: dict | None = None) -> list[str]:
+    cfg, cal = section["config"], section["calibration"]
+    lines = ["## The shipped configuration (ray_config.yaml, in process)", "",
+             f"- weights: draft {cal['draft']['format']}, target {cal['target']['format']} "
+             f"(configured `{cfg['draft_dtype']}` / `{cfg['dtype']}`); batch_invariant "
+             f"{cfg['batch_invariant']}; K {'adaptive up to ' if cfg['adaptive_k'] else ''}"
+             f"{cfg['num_speculative_tokens']}; {cfg['max_tokens']} tokens per request, "
+             f"{cfg['single_prompts']} prompts one at a time, {cfg['batch']} in one batch",
+             f"- target kernels: {cal['target']['kernels']}",
+             f"- target matmul estimate (ms at rows): {cal['target']['forward_ms']}; invariance "
+             f"costs {cal['target']['invariance_cost']}x the fastest kernels; dtype=auto candidates "
+             f"(ms at rows 1/5/16): {cal['target'].get('formats_ms')}",
+             f"- adaptive-K cost table: {cal['k_costs']}", "",
+             "| invariant | setting | c | mode | tok/s | vs target-only | decode vs target-only "
+             "| acceptance | mean K | vs other mode | greedy identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in section["rows"]:
+        def f(x, fmt="{:.2f}"):
+            return "" if x is None else fmt.format(x)
+        lines.append(
+            f"| {r['batch_invariant']} | {r['setting_label']} | {r['concurrency']} | {r['mode']} | "
+            f"{r['tokens_per_s']:.2f} | {f(r.get('speedup'), '{:.2f}x')} | "
+            f"{f(r.get('decode_speedup'), '{:.2f}x')} | {f(r['acceptance_rate'])} | "
+            f"{f(r['mean_k'])} | {f(r.get('vs_other_mode'), '{:.2f}x')} | "
+            f"{'' if 'greedy_identical' not in r else str(r['greedy_identical']) + '/' + str(r['requests'])} |")
+    if hf:
+        for row in hf.get("rows", []):
+            spec = next((r for r in section["rows"] if r["setting"] == row["setting"] and
+                         r["concurrency"] == 1 and r["mode"] == "speculative" and
+                         r["batch_invariant"] == cfg["batch_invariant"]), None)
+            if spec and row.get("mode") == "assisted" and row.get("tokens_per_s"):
+                lines.append(f"\nShipped speculative vs transformers' assisted generation, "
+                             f"{row['setting']}: {spec['tokens_per_s'] / row['tokens_per_s']:.2f}x")
+    return lines + [""]
