@@ -1,4 +1,8 @@
-"""Rendering a benchmark report: Markdown tables, a console summary, PNG plots."""
+"""Rendering a benchmark report: Markdown tables, a console summary, PNG plots.
+
+Longer than 300 lines because the Markdown tables, the console summary and the plots
+render the same report.
+"""
 
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ per layer for all rows against the pool (`paged_attention`). Every weight matrix
 parallel: q/k/v and gate/up are column-parallel (each rank holds a slice of the heads /
 intermediate units), o_proj and down_proj are row-parallel and followed by an all-reduce;
 embedding and lm_head are replicated.
+
+Longer than 300 lines because weight loading with tensor-parallel slicing and the
+forward are one model definition.
 """
 
 from __future__ import annotations

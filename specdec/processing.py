@@ -51,6 +51,9 @@ then a pairwise tree of elementwise additions) instead of torch's `sum`, whose o
 depends on how many rows are reduced and on the thread count. The remaining reductions
 (max, cumsum, sort, topk, scatter-add along a row, softmax) run row by row in a fixed
 order on CPU.
+
+Longer than 300 lines because the twelve processing steps share one batched pass and
+one set of bitwise-invariant reductions; split, each piece would re-derive the batch layout.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ kernel by measurement on this machine (specdec/kernels.py), and reports the choi
 With tensor parallelism every rank holds a ModelRunner and must receive the same calls in
 the same order; all cache decisions (reuse, eviction, block allocation) are deterministic
 functions of the call sequence, so the ranks' caches stay in step.
+
+Longer than 300 lines because the kernel choice that the runner reports (KernelChoice)
+lives beside the cache bookkeeping it configures.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ is deterministic.
 draft reporting another q, wrong histories, a broken residual, bonus or accept rule) and
 asserts that this test reports each; the section at the end runs the same test through
 `LocalEngine` on a tiny model (`Generation.accept`, the real runners).
+
+Longer than 300 lines because the table runners, the chi-square machinery and the
+settings it drives through the serving rounds belong together.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Logits processing: each operation on hand-computed examples, history handling, batching,
 and property tests against a slow, obviously-correct reference (vLLM V1's order of
-operations written out row by row in float64)."""
+operations written out row by row in float64).
+
+Longer than 300 lines because each processing step has its reference check beside the
+bitwise batch-invariance checks that reuse the same fixtures.
+"""
 
 from __future__ import annotations
 

@@ -34,6 +34,9 @@ Run as a script for the large measurements (docs/reliability.md):
         --threads 1 --out docs/seeds_tiny_fp32.json
     PYTHONPATH=.:tests .venv/bin/python tests/test_seeds_under_load.py --pair real --n 200 \
         --out docs/seeds_real.json      # hours on the 2-core CPU (bf16 ~1 s per target row)
+
+Longer than 300 lines because it is also the script for the large seed-stability
+measurements (run as __main__), sharing the harness with the tests.
 """
 
 from __future__ import annotations
