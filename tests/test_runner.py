@@ -8,6 +8,8 @@ import torch
 from specdec.errors import CapacityError, ContextLengthError, RequestError
 from specdec.runner import ModelRunner
 
+from kernel_emulation import split_k
+
 
 def _prompt(n, seed=0):
     return torch.randint(0, 150_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -144,7 +146,7 @@ def test_calibration_picks_an_invariant_kernel_for_a_shape_dependent_gemm(runner
     from specdec.kernels import Kernel
 
     monkeypatch.setattr(kernels, "_cache_file", lambda: tmp_path / "calibration.json")
-    monkeypatch.setattr(kernels, "_op", emulated_split_k(kernels._op))
+    monkeypatch.setattr(kernels, "_op", split_k(kernels._op))
     ids, prompt_len = _prompt(48, seed=3), 12
     results = {}
     for mode in ("calibrated", "bypassed"):
@@ -158,20 +160,6 @@ def test_calibration_picks_an_invariant_kernel_for_a_shape_dependent_gemm(runner
         results[mode] = [torch.equal(got["decode"], got[name]) for name in ("prefill", "verify")]
     assert results["calibrated"] == [True, True]
     assert results["bypassed"] != [True, True]
-
-
-def emulated_split_k(op):
-    """A kernel whose numerics depend on the row count, as GPU GEMMs' split-K choice does: 4
-    K-splits under 4 rows, 2 up to 16, 1 above, each split's partial rounded to bf16."""
-    def split_op(name, x, data, scales):
-        m, k = x.shape[0], x.shape[-1]
-        splits = 4 if m < 4 else 2 if m <= 16 else 1
-        if splits == 1 or k % splits or name == "int8mm":
-            return op(name, x, data, scales)
-        parts = [op(name, xs, ws.contiguous(), scales).to(torch.bfloat16).float()
-                 for xs, ws in zip(x.chunk(splits, -1), data.chunk(splits, -1))]
-        return sum(parts).to(x.dtype)
-    return split_op
 
 
 def test_capacity_error_when_the_call_alone_does_not_fit(runner_factory):

@@ -116,22 +116,12 @@ def emulate_split_k(engine: LocalEngine):
     import tempfile
     from pathlib import Path
 
+    from kernel_emulation import split_k
     from specdec import kernels
 
     saved = kernels._op, kernels._cache_file
     cache = Path(tempfile.mkdtemp()) / "calibration.json"
-    op = kernels._op
-
-    def split_op(name, x, data, scales):
-        m, k = x.shape[0], x.shape[-1]
-        splits = 4 if m < 4 else 2 if m <= 16 else 1
-        if splits == 1 or k % splits or name == "int8mm":
-            return op(name, x, data, scales)
-        parts = [op(name, xs, ws.contiguous(), scales).to(torch.bfloat16).float()
-                 for xs, ws in zip(x.chunk(splits, -1), data.chunk(splits, -1))]
-        return sum(parts).to(x.dtype)
-
-    kernels._op, kernels._cache_file = split_op, (lambda: cache)
+    kernels._op, kernels._cache_file = split_k(kernels._op), (lambda: cache)
     try:
         yield
     finally:
