@@ -352,6 +352,19 @@ def run(args) -> dict:
             if ref:
                 greedy.append({"k": k, "concurrency": c, **greedy_exactness(outs, ref)})
 
+    # The guard against fast-but-wrong.
+    guard = None
+    if args.guard_n:
+        gs = parse_setting(args.guard_setting)
+        gids = tok(prompt_sets.GUARD_PROMPT, add_special_tokens=True)["input_ids"]
+        allowed = sorted({tok(d, add_special_tokens=False)["input_ids"][0]
+                          for d in prompt_sets.GUARD_TOKENS})
+        guard = run_guard(backend, prompt_ids=gids, allowed_ids=allowed, setting_name=gs.label,
+                          params=gs.params, k=args.guard_k, n=args.guard_n,
+                          max_tokens=args.guard_tokens, concurrency=args.guard_concurrency,
+                          alpha=args.guard_alpha, arms=tuple(args.guard_arms),
+                          progress=progress.cell)
+
     # The shipped configuration (ray_config.yaml) side by side, on its own engine.
     shipped = None
     if args.shipped and not args.url:
@@ -366,19 +379,6 @@ def run(args) -> dict:
                               single=args.shipped_prompts, batch=args.shipped_batch,
                               max_tokens=args.shipped_tokens, seed0=args.seed,
                               progress=progress.cell)
-
-    # The guard against fast-but-wrong.
-    guard = None
-    if args.guard_n:
-        gs = parse_setting(args.guard_setting)
-        gids = tok(prompt_sets.GUARD_PROMPT, add_special_tokens=True)["input_ids"]
-        allowed = sorted({tok(d, add_special_tokens=False)["input_ids"][0]
-                          for d in prompt_sets.GUARD_TOKENS})
-        guard = run_guard(backend, prompt_ids=gids, allowed_ids=allowed, setting_name=gs.label,
-                          params=gs.params, k=args.guard_k, n=args.guard_n,
-                          max_tokens=args.guard_tokens, concurrency=args.guard_concurrency,
-                          alpha=args.guard_alpha, arms=tuple(args.guard_arms),
-                          progress=progress.cell)
 
     # transformers' assisted generation on the same pair and prompts.
     hf = None
