@@ -248,6 +248,9 @@ def tiny_app_args(draft_dir, target_dir, **overrides) -> dict:
     return {
         "served_model_name": "tiny",
         "num_speculative_tokens": 3,
+        # The tiny draft costs as much as the tiny target, so adaptive K would (rightly) pick
+        # K = 0; the rehearsals and tests exercise speculation at the fixed K instead.
+        "adaptive_k": False,
         "draft": {"model": str(draft_dir), **runner},
         "target": {"model": str(target_dir), **runner},
     } | overrides

@@ -169,7 +169,11 @@ def test_speculative_token_frequencies_match_target(small_vocab_engine, mode):
     keep = expected > 0
     chi2, p_value = stats.chisquare(observed[keep], expected[keep] * observed[keep].sum() / expected[keep].sum())
     print(f"mode={mode} chi2={chi2:.1f} cells={keep.sum()} p={p_value:.3g}")
+    # total variation distance: also defined where the raw samples leave chi-square degenerate
+    # (all of them outside the cells a peaked processed target puts its mass on)
+    tv = 0.5 * np.abs(observed / observed.sum() - expected / expected.sum()).sum()
+    print(f"mode={mode} total variation {tv:.3f}")
     if mode == "processed":
-        assert p_value > 1e-4
+        assert p_value > 1e-4 and tv < 0.05
     else:
-        assert p_value < 1e-6
+        assert tv > 0.1

@@ -22,6 +22,9 @@ def real_handle(ray_serve, real_pair):
     args = {
         "served_model_name": APP,
         "num_speculative_tokens": 4,
+        # Fixed K: adaptive K may choose K = 0 where a bf16 verify costs K + 1 decodes (AVX2
+        # CPUs), and this test is about speculative rounds.
+        "adaptive_k": False,
         "draft": {"model": str(draft_dir), **runner},
         "target": {"model": str(target_dir), **runner},
     }
