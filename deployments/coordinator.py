@@ -75,6 +75,7 @@ class Coordinator:
         )
         self.max_context = self.info.max_context
         self._k_costs_lock = asyncio.Lock()
+        self._k_costs_loaded = False
 
     def __serve_build_asgi_app__(self):
         return make_app(self)
@@ -108,7 +109,7 @@ class Coordinator:
     # ---- internals ----------------------------------------------------------------------
 
     async def _admit(self, request, sampling_params) -> Generation:
-        if self.config.adaptive_k and self.info.k_costs is None:
+        if self.config.adaptive_k and not self._k_costs_loaded:
             await self._load_k_costs()
         return Generation.admit(_as_request(request, sampling_params), self.info)
 
@@ -118,7 +119,7 @@ class Coordinator:
         every replica on it reads the same table). Fixed from then on: a request's K
         sequence depends on its own acceptance only."""
         async with self._k_costs_lock:
-            if self.info.k_costs is not None:
+            if self._k_costs_loaded:
                 return
             if self.config.k_costs:
                 costs = Costs(**{k: tuple(v) if isinstance(v, list) else v
@@ -128,8 +129,8 @@ class Coordinator:
                                                      self.target.calibration.remote())
                 costs = Costs.from_calibrations(draft, target)
             logger.info("adaptive K up to %d with costs %s", self.config.num_speculative_tokens,
-                        costs.to_dict())
-            self.info.k_costs = costs
+                        costs.to_dict() if costs else "none measured: K stays as configured")
+            self.info.k_costs, self._k_costs_loaded = costs, True
 
     async def _rounds(self, gen: Generation) -> AsyncIterator[GenerateDelta]:
         started = time.perf_counter()

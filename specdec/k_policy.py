@@ -32,8 +32,11 @@ class Costs:
         return m1 + (m1 - m0) * (rows - r1) / (r1 - r0)
 
     @classmethod
-    def from_calibrations(cls, draft: dict, target: dict) -> "Costs":
-        """From two runners' `calibration()` reports (matmul ms at the profile rows)."""
+    def from_calibrations(cls, draft: dict, target: dict) -> "Costs | None":
+        """From two runners' `calibration()` reports (matmul ms at the profile rows); None
+        where a runner measured nothing (GPUs): K then stays as configured."""
+        if not draft["forward_ms"] or not target["forward_ms"]:
+            return None
         rows = tuple(int(r) for r in target["forward_ms"])
         return cls(float(next(iter(draft["forward_ms"].values()))), rows,
                    tuple(float(m) for m in target["forward_ms"].values()))

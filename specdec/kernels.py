@@ -80,12 +80,6 @@ class Weight:
             self.data, self.scales = w.to(compute_dtype(fmt)).contiguous(), None
         self.kernel = kernel or Kernel(fmt, ops_for(fmt)[0], None)
 
-    def dense(self) -> torch.Tensor:
-        """The weight as the kernel sees it (dequantized for int8): for embedding lookups."""
-        if self.format == "int8":
-            return (self.data.float() * self.scales.float()[:, None]).to(torch.bfloat16)
-        return self.data
-
     @property
     def nbytes(self) -> int:
         extra = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
@@ -131,10 +125,6 @@ class ShapeCalibration:
 
     def cost(self, name: str) -> float:
         return sum(self.ms[name])
-
-
-def candidates(fmt: str) -> list[Kernel]:
-    return [Kernel(fmt, op, b) for op in ops_for(fmt) for b in BLOCKS]
 
 
 def _random_weight(shape, fmt: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:

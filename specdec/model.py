@@ -312,9 +312,3 @@ def parse_format(dtype) -> str:
     if dtype not in names:
         raise ValueError(f"dtype {dtype!r}: use one of {sorted(names)}")
     return names[dtype]
-
-
-def parse_dtype(dtype) -> torch.dtype:
-    """The activation dtype of a dtype / format name."""
-    fmt = parse_format(dtype)
-    return torch.bfloat16 if fmt == "auto" else kernels.compute_dtype(fmt)
