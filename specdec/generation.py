@@ -87,14 +87,22 @@ class Generation:
 
     # ---- one round ------------------------------------------------------------------
 
-    def plan_k(self) -> int:
-        """Proposals this round: never more than the token budget or the context allow."""
+    def plan_k(self, concurrent: int = 1) -> int:
+        """Proposals this round: never more than the token budget or the context allow.
+        `concurrent`: requests sharing this round's passes, weighed only where the text
+        cannot depend on K (greedy, drafter-invariant); for the others K is a function of the
+        request's own acceptance and the fixed cost table, never of load or timing."""
         left = self.params.max_tokens - len(self.output)
         room = self.info.max_context - len(self.prompt_ids) - len(self.output)
         k = self.num_speculative_tokens
-        if self.adaptive_k:  # from this request's own acceptance: never from load or timing
-            k = choose_k(k, self.stats.proposed, self.stats.accepted, self.info.k_costs)
+        if self.adaptive_k:
+            load = concurrent if self.text_independent_of_k else 1
+            k = choose_k(k, self.stats.tested, self.stats.accepted, self.info.k_costs, load)
         return max(0, min(k, left - 1, room - 1))
+
+    @property
+    def text_independent_of_k(self) -> bool:
+        return self.params.greedy or self.params.drafter_invariant
 
     def draft_call(self, k: int) -> DraftCall:
         self.used_draft = True
@@ -141,11 +149,13 @@ async def generate_stream(
     draft: DraftFn,
     target: TargetFn,
     on_round: Callable[[Generation, RoundTimes, RoundResult], None] | None = None,
+    concurrent: Callable[[], int] = lambda: 1,
 ) -> AsyncIterator[GenerateDelta]:
-    """Run rounds until the request finishes, yielding what each round adds."""
+    """Run rounds until the request finishes, yielding what each round adds. `concurrent`:
+    how many requests share the pools' passes now (see Generation.plan_k)."""
     while not gen.finished:
         started = time.perf_counter()
-        k = gen.plan_k()
+        k = gen.plan_k(concurrent())
         proposal = await draft(gen.draft_call(k)) if k else Proposal(tokens=[], probs=None)
         drafted = time.perf_counter()
         scores = await target(gen.score_call(proposal))

@@ -5,6 +5,11 @@ A round with K proposals costs K draft steps and one target pass over K+1 rows, 
 (0..max_k) with the most expected tokens per millisecond, from the request's own acceptance
 so far and a fixed cost table: so a seeded request's K sequence, and with it its text, is a
 function of its own history and the deployment's table, never of load or timing.
+
+Requests whose text cannot depend on K (greedy ones, drafter-invariant ones) may also weigh
+load: with `concurrent` requests sharing each pass, a round costs each of them 1/concurrent
+of a draft pass and a target pass over all their rows. Where passes are compute-bound (a CPU
+with few cores at a large batch) that makes speculation pay less, and K falls to 0.
 """
 
 from __future__ import annotations
@@ -17,19 +22,22 @@ PRIOR_WEIGHT = 4.0  # proposals' worth of trust in the prior
 
 @dataclass(frozen=True)
 class Costs:
-    """ms of a draft step (one row) and of a target pass at `rows` rows (linear between)."""
+    """ms of a draft pass and of a target pass at `rows` rows (linear between the measured
+    row counts and beyond them). A draft pass at one row costs draft_ms; `draft_row_ms`
+    (optional, measured at target_rows like the target's) gives its cost at more rows."""
 
     draft_ms: float
     target_rows: tuple[int, ...]
     target_ms: tuple[float, ...]
+    draft_row_ms: tuple[float, ...] = ()
 
-    def target(self, rows: int) -> float:
-        pts = list(zip(self.target_rows, self.target_ms))
-        for (r0, m0), (r1, m1) in zip(pts, pts[1:]):
-            if rows <= r1:
-                return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
-        (r0, m0), (r1, m1) = pts[-2], pts[-1]
-        return m1 + (m1 - m0) * (rows - r1) / (r1 - r0)
+    def target(self, rows: float) -> float:
+        return _interpolate(self.target_rows, self.target_ms, rows)
+
+    def draft(self, rows: float = 1) -> float:
+        if not self.draft_row_ms:
+            return self.draft_ms * rows
+        return _interpolate(self.target_rows, self.draft_row_ms, rows)
 
     @classmethod
     def from_calibrations(cls, draft: dict, target: dict) -> "Costs | None":
@@ -38,12 +46,22 @@ class Costs:
         if not draft["forward_ms"] or not target["forward_ms"]:
             return None
         rows = tuple(int(r) for r in target["forward_ms"])
-        return cls(float(next(iter(draft["forward_ms"].values()))), rows,
-                   tuple(float(m) for m in target["forward_ms"].values()))
+        draft_ms = tuple(float(m) for m in draft["forward_ms"].values())
+        return cls(draft_ms[0], rows, tuple(float(m) for m in target["forward_ms"].values()),
+                   draft_ms if len(draft_ms) == len(rows) else ())
 
     def to_dict(self) -> dict:
         return dict(draft_ms=self.draft_ms, target_rows=list(self.target_rows),
-                    target_ms=list(self.target_ms))
+                    target_ms=list(self.target_ms), draft_row_ms=list(self.draft_row_ms))
+
+
+def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    pts = list(zip(xs, ys))
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -51,12 +69,18 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def running_acceptance(proposed: int, accepted: int) -> float:
-    return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (proposed + PRIOR_WEIGHT)
+def running_acceptance(tested: int, accepted: int) -> float:
+    """Per-token acceptance from the proposals that met the accept test, with the prior."""
+    return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tested + PRIOR_WEIGHT)
 
 
-def choose_k(max_k: int, proposed: int, accepted: int, costs: Costs) -> int:
-    a = running_acceptance(proposed, accepted)
-    rate = [expected_tokens(a, k) / (k * costs.draft_ms + costs.target(k + 1))
-            for k in range(max_k + 1)]
+def round_ms(k: int, costs: Costs, concurrent: int = 1) -> float:
+    """One request's share of a round with K=k when `concurrent` requests share each pass."""
+    n = max(1, concurrent)
+    return (k * costs.draft(n) + costs.target(n * (k + 1))) / n
+
+
+def choose_k(max_k: int, tested: int, accepted: int, costs: Costs, concurrent: int = 1) -> int:
+    a = running_acceptance(tested, accepted)
+    rate = [expected_tokens(a, k) / round_ms(k, costs, concurrent) for k in range(max_k + 1)]
     return max(range(max_k + 1), key=lambda k: (rate[k], -k))

@@ -1,11 +1,16 @@
 """Linear kernels and their calibration: which way to multiply each weight shape, measured on
 the machine that runs.
 
-A kernel is a weight format (`float32`, `bfloat16`, or `int8`: weight-only int8 with one scale
-per output channel, computed in bf16 by `torch.ops.aten._weight_int8pack_mm`) with an
-operation (`linear`: F.linear; `wxt`: (W @ x^T)^T, which MKL runs as a few-column GEMM that
-reads the weights once for up to ~16 rows; `int8mm`) and a row blocking (`None`: one call for
-all rows; B: the rows in fixed blocks of B, the last one zero-padded).
+A kernel is a weight format with an operation and a row blocking (`None`: one call for all
+rows; B: the rows in fixed blocks of B, the last one zero-padded). Formats:
+- `float32`, `bfloat16`: ops `linear` (F.linear) and `wxt` ((W @ x^T)^T, which MKL runs as a
+  few-column GEMM that reads the weights once for up to ~16 rows);
+- `int8`: weight-only int8, one scale per output channel, computed in bf16 by
+  `torch.ops.aten._weight_int8pack_mm` (op `int8mm`);
+- `float16`: fp16 weights prepacked for FBGEMM's fp16 GEMM, fp32 activations and accumulation
+  (`torch.ops.quantized.linear_dynamic_fp16`, op `fbgemm`; x86 builds only). Made for few-row
+  inference on CPUs without bf16 instructions: it reads half the bytes of fp32 and stays
+  memory-bound (flat in rows) up to a K+1-row verify, where `int8mm` and fp32 are not.
 
 Batch invariance: a row's output must not depend on the other rows of the call nor on its
 place among them. A GEMM library may pick another kernel or another reduction split for
@@ -24,7 +29,7 @@ import logging
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -33,37 +38,50 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("float32", "bfloat16", "int8")
+ALL_FORMATS = ("float32", "bfloat16", "int8", "float16")
+# float16 needs FBGEMM, which x86 builds of torch have and others do not.
+FORMATS = tuple(f for f in ALL_FORMATS
+                if f != "float16" or "fbgemm" in torch.backends.quantized.supported_engines)
 BLOCKS = (None, 1, 4, 8, 16, 32, 64)
 # Row counts a pool's calls have: a decode (1), a K+1-row verify, a batch of requests.
 PROFILE_ROWS = (1, 5, 16)
-CALIBRATION_VERSION = 2
+# Row counts searched for a padded kernel's invariant counts; longer inputs are cut.
+PAD_SEARCH_ROWS = 24
+CALIBRATION_VERSION = 3
 
 
 @dataclass(frozen=True)
 class Kernel:
-    format: str  # float32 / bfloat16 / int8
-    op: str  # linear / wxt / int8mm
+    format: str  # one of FORMATS
+    op: str  # linear / wxt / int8mm / fbgemm
     block: int | None  # rows per call; None: all rows in one call
+    # Padding instead of blocks: every call is zero-padded up to the next of these row counts
+    # (measured to give each row the same bits), longer inputs are cut into calls of the
+    # largest one. Empty: no padding.
+    pad_to: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
+        if self.pad_to:
+            return f"{self.format}:{self.op}:pad"
         return f"{self.format}:{self.op}" + ("" if self.block is None else f":b{self.block}")
 
     @classmethod
-    def parse(cls, name: str) -> "Kernel":
+    def parse(cls, name: str, pad_to: Sequence[int] = ()) -> "Kernel":
         parts = name.split(":")
+        if len(parts) > 2 and parts[2] == "pad":
+            return cls(parts[0], parts[1], None, tuple(pad_to))
         block = int(parts[2][1:]) if len(parts) > 2 else None
         return cls(parts[0], parts[1], block)
 
 
 def ops_for(fmt: str) -> tuple[str, ...]:
-    return ("int8mm",) if fmt == "int8" else ("linear", "wxt")
+    return {"int8": ("int8mm",), "float16": ("fbgemm",)}.get(fmt, ("linear", "wxt"))
 
 
 def compute_dtype(fmt: str) -> torch.dtype:
     """The dtype activations (and the KV cache) have with weights of this format."""
-    return torch.float32 if fmt == "float32" else torch.bfloat16
+    return torch.float32 if fmt in ("float32", "float16") else torch.bfloat16
 
 
 class Weight:
@@ -71,17 +89,24 @@ class Weight:
 
     def __init__(self, w: torch.Tensor, fmt: str, kernel: Kernel | None = None):
         self.format, self.shape = fmt, tuple(w.shape)
-        if fmt == "int8":
+        self.scales = None
+        if fmt == "float16":  # an opaque FBGEMM packing of the fp16 weights
+            if w.device.type != "cpu":
+                raise ValueError("float16 weights use FBGEMM, a CPU library: use bfloat16 on GPUs")
+            self.data = torch.ops.quantized.linear_prepack_fp16(w.float().contiguous(), None)
+        elif fmt == "int8":
             w = w.float()
             self.scales = (w.abs().amax(1).clamp_min(1e-12) / 127).to(torch.bfloat16)
             q = torch.round(w / self.scales.float()[:, None]).clamp_(-127, 127)
             self.data = q.to(torch.int8).contiguous()
         else:
-            self.data, self.scales = w.to(compute_dtype(fmt)).contiguous(), None
+            self.data = w.to(compute_dtype(fmt)).contiguous()
         self.kernel = kernel or Kernel(fmt, ops_for(fmt)[0], None)
 
     @property
     def nbytes(self) -> int:
+        if self.format == "float16":
+            return self.shape[0] * self.shape[1] * 2
         extra = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
         return self.data.numel() * self.data.element_size() + extra
 
@@ -95,11 +120,16 @@ def _op(op: str, x, data, scales):
         return F.linear(x, data)
     if op == "wxt":
         return torch.matmul(data, x.T).T
+    if op == "fbgemm":
+        return torch.ops.quantized.linear_dynamic_fp16(x, data)
     return torch.ops.aten._weight_int8pack_mm(x, data, scales)
 
 
 def apply(kernel: Kernel, x: torch.Tensor, data, scales=None) -> torch.Tensor:
-    """x [T, in] -> [T, out] with `kernel`; rows in fixed blocks when kernel.block is set."""
+    """x [T, in] -> [T, out] with `kernel`; rows in fixed blocks when kernel.block is set,
+    in calls padded to a measured row count when kernel.pad_to is."""
+    if kernel.pad_to:
+        return _apply_padded(kernel, x, data, scales)
     B, T = kernel.block, x.shape[0]
     if B is None:
         return _op(kernel.op, x, data, scales).contiguous()
@@ -109,6 +139,26 @@ def apply(kernel: Kernel, x: torch.Tensor, data, scales=None) -> torch.Tensor:
     if x.shape[0] == B:
         return _op(kernel.op, x, data, scales)[:T]
     return torch.cat([_op(kernel.op, blk, data, scales) for blk in x.split(B)])[:T]
+
+
+def padded_calls(rows: int, pad_to: Sequence[int]) -> list[int]:
+    """The row count of each call a padded kernel makes for `rows` rows."""
+    top, calls = pad_to[-1], []
+    for start in range(0, rows, top):
+        n = min(top, rows - start)
+        calls.append(next(m for m in pad_to if m >= n))
+    return calls
+
+
+def _apply_padded(kernel: Kernel, x: torch.Tensor, data, scales) -> torch.Tensor:
+    outs = []
+    for start, size in zip(range(0, x.shape[0], kernel.pad_to[-1]), padded_calls(x.shape[0], kernel.pad_to)):
+        blk = x[start : start + kernel.pad_to[-1]]
+        n = blk.shape[0]
+        if size > n:
+            blk = torch.cat([blk, blk.new_zeros(size - n, blk.shape[1])])
+        outs.append(_op(kernel.op, blk, data, scales)[:n])
+    return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs)
 
 
 # ---- calibration -----------------------------------------------------------------------------
@@ -122,22 +172,26 @@ class ShapeCalibration:
     invariant: dict[str, bool]  # kernel name -> passed the bitwise check
     fastest: str
     fastest_invariant: str | None
+    pad_to: dict[str, list[int]] = field(default_factory=dict)  # op -> row counts of its pad kernel
 
     def cost(self, name: str) -> float:
         return sum(self.ms[name])
 
-
-def _random_weight(shape, fmt: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    w = Weight(torch.randn(shape, generator=gen) * 0.02, fmt)
-    return w.data, w.scales
+    def kernel(self, name: str) -> Kernel:
+        return Kernel.parse(name, self.pad_to.get(Kernel.parse(name).op, ()))
 
 
-def is_invariant(kernel: Kernel, data, scales, max_rows: int, gen: torch.Generator) -> bool:
+def _random_weight(shape, fmt: str, gen: torch.Generator) -> Weight:
+    return Weight(torch.randn(shape, generator=gen) * 0.02, fmt)
+
+
+def is_invariant(kernel: Kernel, weight: Weight, max_rows: int, gen: torch.Generator) -> bool:
     """Bitwise: each row's output equals the same row computed alone, at every place of a
     call and for the row counts a GEMM library treats differently. A blocked kernel's calls
     always have `block` rows, so its check is one full block against rows alone."""
-    rows = kernel.block or max_rows
-    x = torch.randn(rows, data.shape[1], generator=gen).to(compute_dtype(kernel.format))
+    rows = kernel.block or (max_rows + max(kernel.pad_to, default=0))
+    data, scales = weight.data, weight.scales
+    x = torch.randn(rows, weight.shape[1], generator=gen).to(compute_dtype(kernel.format))
     alone: dict[int, torch.Tensor] = {}
 
     def row_alone(i: int) -> torch.Tensor:
@@ -157,11 +211,12 @@ def is_invariant(kernel: Kernel, data, scales, max_rows: int, gen: torch.Generat
     return True
 
 
-def time_op(fmt: str, op: str, data, scales, rows: int, min_s: float = 0.03) -> float:
+def time_op(op: str, weight: Weight, rows: int, min_s: float = 0.03) -> float:
     """ms of one unblocked call with `rows` rows: the fastest of at least 5, since other
     work on the machine (the other pool calibrating) only ever adds time."""
+    fmt, data, scales = weight.format, weight.data, weight.scales
     kernel = Kernel(fmt, op, None)
-    x = torch.randn(rows, data.shape[1]).to(compute_dtype(fmt))
+    x = torch.randn(rows, weight.shape[1]).to(compute_dtype(fmt))
     apply(kernel, x, data, scales)  # warm-up
     times, spent = [], 0.0
     while len(times) < 5 or spent < min_s:
@@ -172,23 +227,44 @@ def time_op(fmt: str, op: str, data, scales, rows: int, min_s: float = 0.03) -> 
     return min(times) * 1e3
 
 
+def good_row_counts(op: str, weight: Weight, gen: torch.Generator, max_rows: int = PAD_SEARCH_ROWS) -> list[int]:
+    """The row counts at which one call gives every row the same bits: the largest set of
+    counts whose outputs agree row by row with one reference count's (GEMM libraries tile
+    rows, and a row in a remainder tile may be summed differently)."""
+    x = torch.randn(max_rows, weight.shape[1], generator=gen).to(compute_dtype(weight.format))
+    native = Kernel(weight.format, op, None)
+    outs = {m: apply(native, x[:m], weight.data, weight.scales) for m in range(1, max_rows + 1)}
+    best: list[int] = []
+    for ref in range(max_rows, 0, -1):
+        agree = [m for m in range(1, ref + 1) if torch.equal(outs[m], outs[ref][:m])]
+        if len(agree) > len(best):
+            best = agree
+    return best
+
+
 def calibrate_shape(shape: tuple[int, int], fmt: str, *, check_rows: int = 32) -> ShapeCalibration:
     """Times each operation once per row count it is ever called with; a blocked kernel at
-    r rows costs ceil(r / B) calls of B rows."""
+    r rows costs ceil(r / B) calls of B rows, a padded one its padded calls."""
     gen = torch.Generator().manual_seed(0)
-    data, scales = _random_weight(shape, fmt, gen)
-    ms, inv = {}, {}
+    weight = _random_weight(shape, fmt, gen)
+    ms, inv, pads = {}, {}, {}
     for op in ops_for(fmt):
-        needed = sorted({*PROFILE_ROWS, *(b for b in BLOCKS if b)})
-        base = {r: time_op(fmt, op, data, scales, r) for r in needed}
-        for b in BLOCKS:
-            k = Kernel(fmt, op, b)
-            ms[k.name] = [base[r] if b is None else -(-r // b) * base[b] for r in PROFILE_ROWS]
-            inv[k.name] = is_invariant(k, data, scales, check_rows, gen)
+        pad_to = pads[op] = good_row_counts(op, weight, gen)
+        candidates = [Kernel(fmt, op, b) for b in BLOCKS] + [Kernel(fmt, op, None, tuple(pad_to))]
+        needed = {*PROFILE_ROWS, *(b for b in BLOCKS if b)}
+        needed |= {m for r in PROFILE_ROWS for m in padded_calls(r, pad_to)}
+        base = {r: time_op(op, weight, r) for r in sorted(needed)}
+        for k in candidates:
+            if k.pad_to:
+                ms[k.name] = [sum(base[m] for m in padded_calls(r, k.pad_to)) for r in PROFILE_ROWS]
+            else:
+                ms[k.name] = [base[r] if k.block is None else -(-r // k.block) * base[k.block]
+                              for r in PROFILE_ROWS]
+            inv[k.name] = is_invariant(k, weight, check_rows, gen)
     fastest = min(ms, key=lambda n: sum(ms[n]))
     passing = [n for n in ms if inv[n]]
     best_inv = min(passing, key=lambda n: sum(ms[n])) if passing else None
-    return ShapeCalibration(tuple(shape), fmt, ms, inv, fastest, best_inv)
+    return ShapeCalibration(tuple(shape), fmt, ms, inv, fastest, best_inv, pads)
 
 
 def machine_key() -> str:
@@ -226,7 +302,7 @@ def calibrate(shapes: Sequence[tuple[int, int]], fmt: str, *, use_cache: bool = 
         if key in cache:
             c = cache[key]
             out[shape] = ShapeCalibration(tuple(c["shape"]), c["format"], c["ms"], c["invariant"],
-                                          c["fastest"], c["fastest_invariant"])
+                                          c["fastest"], c["fastest_invariant"], c.get("pad_to", {}))
             continue
         started = time.perf_counter()
         out[shape] = calibrate_shape(shape, fmt, check_rows=check_rows)

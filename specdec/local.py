@@ -64,7 +64,7 @@ class LocalEngine:
 
     def step(self, gens: Sequence[Generation]) -> None:
         """One round for every request: batched draft, batched target, per-request accept."""
-        ks = [g.plan_k() for g in gens]
+        ks = [g.plan_k(concurrent=len(gens)) for g in gens]
         drafting = [i for i, k in enumerate(ks) if k]
         proposals = [Proposal(tokens=[], probs=None) for _ in gens]
         if drafting:

@@ -167,7 +167,9 @@ def _check(draft_tokens, num_draft, draft_probs, target_probs, drafter_invariant
 class SpecStats:
     """Speculation counters (DESIGN.md section 2 definitions).
 
-    ``slots`` is the sum over rounds of (k + 1), the most tokens those rounds could emit.
+    ``slots`` is the sum over rounds of (k + 1), the most tokens those rounds could emit;
+    ``tested`` counts proposals that met the accept test (all before them were accepted), so
+    accepted / tested estimates the per-token acceptance whatever K was.
     """
 
     rounds: int = 0
@@ -175,9 +177,11 @@ class SpecStats:
     accepted: int = 0
     emitted: int = 0
     slots: int = 0
+    tested: int = 0
 
     def add_round(self, k: int, accepted: int, emitted: int) -> None:
         self.rounds += 1
+        self.tested += accepted + (1 if accepted < k else 0)
         self.proposed += k
         self.accepted += accepted
         self.emitted += emitted
@@ -196,7 +200,7 @@ class SpecStats:
     def to_dict(self) -> dict:
         """The fields of `specdec.api_types.SpeculationStats`."""
         d = asdict(self)
-        del d["slots"]
+        del d["slots"], d["tested"]
         d["acceptance_rate"] = self.acceptance_rate
         d["system_efficiency"] = self.system_efficiency
         return d

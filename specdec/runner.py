@@ -122,7 +122,7 @@ def choose_kernels(shapes: dict[tuple[int, int], int], fmt: str, device,
     chosen = {}
     for s, c in cal.items():
         name = c.fastest_invariant if batch_invariant and c.fastest_invariant else c.fastest
-        chosen[s] = Kernel.parse(name)
+        chosen[s] = c.kernel(name)
     est = (invariant if batch_invariant and invariant_ok else fastest)
     return chosen, KernelChoice(fmt, batch_invariant, {f"{s[0]}x{s[1]}": k.name for s, k in chosen.items()},
                                 est, fastest, invariant_ok)

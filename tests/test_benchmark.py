@@ -15,6 +15,7 @@ import pytest
 from benchmarks.__main__ import main, parse_args
 from benchmarks.guard import compare
 from benchmarks.run import parse_setting
+from specdec import kernels
 from benchmarks.stats import (
     alpha_from_mean_accepted,
     chi2_sf,
@@ -82,7 +83,7 @@ def test_benchmark_smoke(tiny_pair, tmp_path):
 
     shipped = report["shipped"]  # ray_config.yaml's configuration, invariant and not
     assert shipped["config"]["batch_invariant"] is True and shipped["config"]["adaptive_k"] is True
-    assert shipped["calibration"]["target"]["format"] in ("float32", "bfloat16", "int8")
+    assert shipped["calibration"]["target"]["format"] in kernels.FORMATS
     assert shipped["calibration"]["k_costs"]["draft_ms"] > 0
     modes = {(r["batch_invariant"], r["setting"], r["concurrency"], r["mode"]) for r in shipped["rows"]}
     for inv in (True, False):

@@ -235,6 +235,7 @@ def test_spec_stats_arithmetic():
     s.add_round(2, accepted=0, emitted=1)
     s.add_round(0, accepted=0, emitted=1)  # target-only round: no proposals
     assert (s.rounds, s.proposed, s.accepted, s.emitted) == (4, 10, 5, 9)
+    assert s.tested == 4 + 2 + 1 + 0  # each rejection is tested, proposals after it are not
     assert s.acceptance_rate == 5 / 10
     assert s.system_efficiency == 9 / (5 + 5 + 3 + 1)
     d = s.to_dict()

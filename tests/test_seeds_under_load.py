@@ -111,11 +111,11 @@ def bypass_calibration(engine: LocalEngine) -> None:
     """Native (unblocked) kernels for every shape, whatever the calibration measured: the
     negative control (standard mode may pick an invariant kernel when it happens to be the
     fastest)."""
-    from specdec.kernels import Kernel
+    from specdec.kernels import Kernel, ops_for
 
     for runner in (engine.draft, engine.target):
         fmt = runner.model.format
-        op = "int8mm" if fmt == "int8" else "linear"
+        op = ops_for(fmt)[0]
         runner.model.use_kernels({s: Kernel(fmt, op, None) for s in runner.model.weight_shapes()})
 
 

@@ -1,0 +1,99 @@
+"""K per round from acceptance and measured costs (specdec.k_policy)."""
+
+import random
+
+import pytest
+
+from specdec.k_policy import Costs, choose_k, expected_tokens, round_ms, running_acceptance
+from specdec.rejection import SpecStats
+
+
+def test_expected_tokens_is_the_geometric_mean_length():
+    assert expected_tokens(0.0, 5) == pytest.approx(1.0)
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens(0.9, 3) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+
+
+def test_costs_interpolate_and_extrapolate_linearly():
+    c = Costs(10.0, (1, 5, 16), (100.0, 140.0, 360.0))
+    assert c.target(1) == 100.0 and c.target(3) == pytest.approx(120.0)
+    assert c.target(16) == 360.0 and c.target(27) == pytest.approx(580.0)
+
+
+def test_k_zero_when_the_draft_costs_as_much_as_a_verify():
+    costs = Costs(100.0, (1, 5, 16), (100.0, 110.0, 200.0))
+    assert choose_k(6, tested=100, accepted=90, costs=costs) == 0
+
+
+def test_long_k_when_verify_is_flat_and_acceptance_high():
+    costs = Costs(5.0, (1, 5, 16), (100.0, 101.0, 104.0))
+    assert choose_k(6, tested=100, accepted=97, costs=costs) == 6
+    assert choose_k(6, tested=100, accepted=5, costs=costs) <= 1  # the draft is useless
+
+
+def test_k_follows_acceptance_monotonically():
+    costs = Costs(30.0, (1, 5, 16), (160.0, 215.0, 580.0))
+    ks = [choose_k(8, tested=1000, accepted=a, costs=costs) for a in range(0, 1001, 50)]
+    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] >= 4
+
+
+def test_k_maximises_tokens_per_ms_among_all_k():
+    rng = random.Random(0)
+    for _ in range(200):
+        costs = Costs(rng.uniform(1, 80), (1, 5, 16),
+                      tuple(sorted(rng.uniform(50, 900) for _ in range(3))))
+        tested = rng.randint(0, 300)
+        accepted = rng.randint(0, tested)
+        k = choose_k(7, tested, accepted, costs)
+        a = running_acceptance(tested, accepted)
+        rate = [expected_tokens(a, j) / (j * costs.draft_ms + costs.target(j + 1)) for j in range(8)]
+        assert rate[k] == max(rate)
+
+
+def test_tested_proposals_estimate_per_token_acceptance_without_k_bias():
+    """accepted / proposed falls with K at a fixed per-token acceptance; accepted / tested,
+    what choose_k uses, does not."""
+    rng = random.Random(1)
+    for k in (1, 4, 8):
+        s = SpecStats()
+        for _ in range(20000):
+            acc = 0
+            while acc < k and rng.random() < 0.8:
+                acc += 1
+            s.add_round(k, acc, acc + 1)
+        assert abs(s.accepted / s.tested - 0.8) < 0.01
+        if k == 8:
+            assert s.accepted / s.proposed < 0.6
+
+
+def test_load_makes_compute_bound_speculation_stop():
+    """Measured on a 2-core AVX2 CPU (fp16 weights): verify rows are nearly free alone, but
+    eight requests' rounds make the target compute-bound."""
+    costs = Costs(36.0, (1, 5, 16), (163.0, 217.0, 577.0), (36.0, 42.0, 125.0))
+    assert choose_k(6, tested=100, accepted=88, costs=costs) >= 3
+    assert choose_k(6, tested=100, accepted=88, costs=costs, concurrent=8) == 0
+    assert round_ms(0, costs, 8) == pytest.approx(costs.target(8) / 8)
+
+
+def test_plan_k_weighs_load_only_where_text_cannot_depend_on_k():
+    from types import SimpleNamespace
+
+    from specdec.generation import Generation
+
+    costs = Costs(36.0, (1, 5, 16), (163.0, 217.0, 577.0), (36.0, 42.0, 125.0))
+
+    def plan(**params):
+        base = dict(temperature=0.6, drafter_invariant=False, max_tokens=100)
+        p = SimpleNamespace(**dict(base, **params))
+        p.greedy = p.temperature == 0
+        g = SimpleNamespace(params=p, info=SimpleNamespace(max_context=4096, k_costs=costs),
+                            prompt_ids=[1, 2], output=[], num_speculative_tokens=6,
+                            adaptive_k=True, stats=SpecStats(tested=100, accepted=88))
+        g.text_independent_of_k = Generation.text_independent_of_k.fget(g)
+        return Generation.plan_k(g, 1), Generation.plan_k(g, 8)
+
+    assert plan()[0] == plan()[1] >= 3  # standard sampling: the same K at any load
+    alone, loaded = plan(temperature=0)
+    assert alone >= 3 and loaded == 0
+    alone, loaded = plan(drafter_invariant=True)
+    assert alone >= 3 and loaded == 0

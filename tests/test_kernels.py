@@ -1,0 +1,59 @@
+"""Kernel candidates and their calibration (specdec.kernels): padded calls for GEMM libraries
+that tile rows and sum a remainder tile differently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import kernels
+from specdec.kernels import Kernel, Weight, good_row_counts, is_invariant, padded_calls
+
+
+def tiled_gemm(name, x, data, scales):
+    """What FBGEMM's fp16 GEMM does on AVX2: rows in tiles of 6, a tile of 1 or 2 rows
+    summed in another order than the others (here: two halves of K added last)."""
+    outs = []
+    for tile in x.split(6):
+        if tile.shape[0] <= 2:
+            h = data.shape[1] // 2
+            outs.append(tile[:, :h] @ data[:, :h].T + tile[:, h:] @ data[:, h:].T)
+        else:
+            outs.append(torch.stack([data @ row for row in tile]))
+    return torch.cat(outs)
+
+
+def test_padded_calls():
+    good = (3, 4, 5, 6, 8, 9)
+    assert padded_calls(1, good) == [3]
+    assert padded_calls(7, good) == [8]
+    assert padded_calls(9, good) == [9]
+    assert padded_calls(10, good) == [9, 3]
+    assert padded_calls(20, good) == [9, 9, 3]
+
+
+def test_tiled_gemm_finds_its_good_row_counts_and_pads_to_them(monkeypatch):
+    monkeypatch.setattr(kernels, "_op", tiled_gemm)
+    gen = torch.Generator().manual_seed(0)
+    w = Weight(torch.randn(64, 96, generator=gen), "float32")
+    good = good_row_counts("linear", w, gen, max_rows=24)
+    # a count is good when no tile has 1 or 2 rows: remainders 0, 3, 4, 5 of 6
+    assert good == [m for m in range(3, 25) if m % 6 not in (1, 2)]
+    padded = Kernel("float32", "linear", None, tuple(good))
+    assert is_invariant(padded, w, 32, gen)
+    assert not is_invariant(Kernel("float32", "linear", None), w, 32, gen)
+    cal = kernels.calibrate_shape((64, 96), "float32")
+    assert cal.invariant["float32:linear:pad"] and not cal.invariant["float32:linear"]
+    assert cal.kernel("float32:linear:pad").pad_to == tuple(good)
+
+
+@pytest.mark.skipif("float16" not in kernels.FORMATS, reason="FBGEMM (x86 builds) only")
+def test_fbgemm_fp16_padded_kernel_is_invariant():
+    gen = torch.Generator().manual_seed(1)
+    w = Weight(torch.randn(256, 512, generator=gen) * 0.02, "float16")
+    good = good_row_counts("fbgemm", w, gen)
+    assert good, "no row count gave consistent rows"
+    assert is_invariant(Kernel("float16", "fbgemm", None, tuple(good)), w, 32, gen)
+    x = torch.randn(5, 512, generator=gen)
+    ref = torch.nn.functional.linear(x, torch.ops.quantized.linear_unpack_fp16(w.data)[0])
+    torch.testing.assert_close(w(x), ref, atol=1e-5, rtol=1e-4)
