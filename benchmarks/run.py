@@ -227,7 +227,7 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
-def _machine() -> dict:
+def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "cpus": os.cpu_count()}
     try:
@@ -263,7 +263,7 @@ def run(args) -> dict:
         if getattr(args, key, None) is None:  # callers that build args without the parser
             setattr(args, key, value)
     settings = [parse_setting(s) for s in args.settings.split(",") if s.strip()]
-    machine_before = _machine()
+    machine_before = machine_info()
 
     # Models and backend.
     if args.draft and args.target:

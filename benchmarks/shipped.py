@@ -42,13 +42,39 @@ def _row(outs, stats, **keys) -> dict:
     accepted = sum(s.get("accepted") or 0 for s in spec)
     rounds = sum(s.get("rounds") or 0 for s in spec)
     decode_s = stats.wall_s - stats.first_step_s
+    measured_first = stats.first_step_s > 0  # in process only
     return dict(keys, requests=len(outs), tokens=tokens, wall_s=stats.wall_s,
                 tokens_per_s=tokens / stats.wall_s,
-                decode_tokens_per_s=(tokens - stats.first_step_tokens) / decode_s if decode_s > 0 else None,
+                decode_tokens_per_s=(tokens - stats.first_step_tokens) / decode_s
+                if measured_first and decode_s > 0 else None,
                 acceptance_rate=accepted / proposed if proposed else None,
                 mean_k=proposed / rounds if rounds else 0.0,
                 tokens_per_round=tokens / rounds if rounds else None,
-                texts=[o.token_ids for o in outs])
+                texts=[o.token_ids if o.token_ids is not None else o.text for o in outs])
+
+
+def measure_cells(backend, prompt_ids, settings, *, single: int, batch: int, max_tokens: int,
+                  seed0: int, invariant: bool, adaptive_k: bool, drafter_invariant: bool = True,
+                  progress=None) -> list[dict]:
+    """Target-only and speculative (the configured K) cells, one at a time (`single`
+    prompts) and in one batch of `batch`; drafter-invariant too at concurrency 1 for
+    sampled settings. `backend`: in process or over HTTP (benchmarks.backends)."""
+    rows = []
+    for s in settings:
+        for c, n in ((1, single), (batch, batch)):
+            cells = [("target-only", 0, None), ("speculative", None, None)]
+            if drafter_invariant and c == 1 and not s.greedy:
+                cells.append(("drafter-invariant", None, {"drafter_invariant": True}))
+            for mode, k, extra in cells:
+                reqs = _requests(prompt_ids[:n], s.params, k=k, max_tokens=max_tokens,
+                                 seed0=seed0, extra=extra)
+                cb = progress(f"shipped inv={invariant} {s.label} {mode} c={c}",
+                              len(reqs) * max_tokens) if progress else None
+                outs, stats = backend.run(reqs, c, progress=cb)
+                rows.append(_row(outs, stats, batch_invariant=invariant, setting=s.key,
+                                 setting_label=s.label, concurrency=c, mode=mode,
+                                 k="adaptive" if k is None and adaptive_k else k))
+    return rows
 
 
 def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *, single: int,
@@ -72,23 +98,13 @@ def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *,
     for invariant in (shipped_inv, not shipped_inv):
         for runner in (engine.draft, engine.target):
             runner.set_batch_invariant(invariant)
-        for s in settings:
-            for c, n in ((1, single), (batch, batch)):
-                cells = [("target-only", 0, None), ("speculative", None, None)]
-                if invariant == shipped_inv and c == 1 and not s.greedy:
-                    cells.append(("drafter-invariant", None, {"drafter_invariant": True}))
-                for mode, k, extra in cells:
-                    reqs = _requests(prompt_ids[:n], s.params, k=k, max_tokens=max_tokens,
-                                     seed0=seed0, extra=extra)
-                    cb = progress(f"shipped inv={invariant} {s.label} {mode} c={c}",
-                                  len(reqs) * max_tokens) if progress else None
-                    outs, stats = backend.run(reqs, c, progress=cb)
-                    rows.append(_row(outs, stats, batch_invariant=invariant, setting=s.key,
-                                     setting_label=s.label, concurrency=c, mode=mode,
-                                     k="adaptive" if k is None and cfg.adaptive_k else k))
+        rows += measure_cells(backend, prompt_ids, settings, single=single, batch=batch,
+                              max_tokens=max_tokens, seed0=seed0, invariant=invariant,
+                              adaptive_k=cfg.adaptive_k, drafter_invariant=invariant == shipped_inv,
+                              progress=progress)
     for runner in (engine.draft, engine.target):
         runner.set_batch_invariant(shipped_inv)
-    _ratios(rows, shipped_inv)
+    ratios(rows, shipped_inv)
     describe = dict(backend.describe, load_s=load_s)
     backend.close()
     for r in rows:
@@ -100,7 +116,8 @@ def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *,
             "engine": describe, "calibration": calibration, "rows": rows}
 
 
-def _ratios(rows: list[dict], shipped_inv: bool) -> None:
+def ratios(rows: list[dict], shipped_inv: bool) -> None:
+    """speedup (vs target-only of the same cell), greedy text identical, vs the other mode."""
     def find(**keys):
         return next((r for r in rows if all(r[k] == v for k, v in keys.items())), None)
 

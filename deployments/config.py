@@ -27,8 +27,9 @@ class RunnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str  # "default-draft" / "default-target", a local folder, or a hub id
-    # Weight format: bfloat16, float32, int8 (weight-only, per output channel, bf16 compute)
-    # or auto: the fastest of them for this pool's calls, measured on the machine at load.
+    # Weight format: bfloat16, float32, float16 (FBGEMM fp16 GEMM, fp32 compute; x86 CPUs),
+    # int8 (weight-only, per output channel, bf16 compute) or auto: the fastest of them for
+    # this pool's calls, measured on the machine at load.
     dtype: str = "auto"
     device: str = "cpu"
     max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS  # KV cache bound, over all sequences held
@@ -57,7 +58,7 @@ class CoordinatorConfig(BaseModel):
     # K per round from each request's own acceptance and the pools' measured costs
     # (specdec/k_policy.py), for requests that do not set num_speculative_tokens.
     adaptive_k: bool = True
-    # The cost table adaptive K uses: {draft_ms, target_rows, target_ms}. None: taken once from
+    # The cost table adaptive K uses: {draft_ms, target_rows, target_ms, draft_row_ms}. None: from
     # the pools' calibrations when the coordinator starts. Pin it to make standard-mode seeded
     # texts reproducible across deployments and machines (drafter-invariant texts are anyway).
     k_costs: dict | None = None

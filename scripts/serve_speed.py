@@ -1,11 +1,13 @@
 """The service's speed (docs/serve_speed.md), in one run: start `serve run <config>`,
-time it to the first answer, then measure tokens/s over HTTP, target-only vs speculative
-(K = 2, 3, 4), greedy and T=0.6 / top_p=0.9, 1 and 8 requests in flight, with the acceptance
-rates (the benchmark's --url mode does the sweep; see docs/benchmark.md).
+time it to the first answer, then run the benchmark's shipped-configuration cells over HTTP
+(benchmarks.shipped.measure_cells: 12 HumanEval prompts one at a time and 8 at once, 64
+tokens, target-only vs the configured speculation, greedy and T=0.6 / top_p=0.9) and set
+them beside the in-process figures of a benchmark run (`--in-process`, its results.json).
 
-    .venv/bin/python scripts/serve_speed.py --out docs/serve_speed
+    .venv/bin/python scripts/serve_speed.py --out docs/serve_speed \
+        --in-process docs/benchmark/results.json
 
-Writes <out>/results.json, report.md and plots, and <out>/startup.json."""
+Writes <out>/results.json, <out>/report.md and <out>/startup.json."""
 
 from __future__ import annotations
 
@@ -48,11 +50,13 @@ def main() -> int:
     p.add_argument("--config", default="ray_config.yaml")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--out", default="results/serve_speed")
-    p.add_argument("--max-tokens", default="32")
-    p.add_argument("--ks", default="2,3,4")
-    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--in-process", help="a benchmark results.json whose shipped section to compare")
+    p.add_argument("--prompts", type=int, default=12, help="HumanEval prompts one at a time")
+    p.add_argument("--batch", type=int, default=8, help="HumanEval prompts at once")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--settings", default="greedy,t0.6p0.9")
     p.add_argument("--startup-deadline-s", type=float, default=1800)
-    args, bench_extra = p.parse_known_args()
+    args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -65,21 +69,15 @@ def main() -> int:
         ttfa = first_answer(args.url, args.startup_deadline_s, server)
         startup = {"config": args.config, "serve_run_to_first_answer_s": round(ttfa, 1),
                    "note": "default pair already converted in the cache; Ray start, replica "
-                           "start, model load and one 1-token completion"}
+                           "start, model load (with the kernel calibration, cached per "
+                           "machine) and one 1-token completion"}
         (out / "startup.json").write_text(json.dumps(startup, indent=1))
         print(f"serve run -> first answer: {ttfa:.1f} s", flush=True)
-
-        from benchmarks.__main__ import main as bench
-
-        rc = bench(["--url", args.url, "--out", str(out), "--ks", args.ks,
-                    "--settings", "greedy,t0.6p0.9", "--raw-settings", "",
-                    "--batched-settings", "all", "--concurrency", args.concurrency,
-                    "--max-tokens", args.max_tokens, "--guard-n", "0", "--hf-prompts", "0",
-                    *bench_extra])
-        report = json.loads((out / "results.json").read_text())
-        report["startup"] = startup
+        report = measure(args, startup)
         (out / "results.json").write_text(json.dumps(report, indent=1))
-        return rc
+        (out / "report.md").write_text("\n".join(markdown(report)) + "\n")
+        print("\n".join(markdown(report)))
+        return 0
     finally:
         os.killpg(server.pid, signal.SIGINT)  # serve run shuts its local Ray down
         try:
@@ -88,6 +86,55 @@ def main() -> int:
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
         print(f"total {time.monotonic() - started:.0f} s", flush=True)
+
+
+def measure(args, startup: dict) -> dict:
+    from transformers import AutoTokenizer
+
+    from benchmarks import prompts
+    from benchmarks.backends import HttpBackend
+    from benchmarks.run import machine_info, parse_setting
+    from benchmarks.shipped import measure_cells, ratios, shipped_config
+    from specdec.model_pair import ensure_default_pair
+
+    cfg = shipped_config(ROOT / args.config)
+    tok = AutoTokenizer.from_pretrained(str(ensure_default_pair()[1]))
+    ids = [tok(p.text)["input_ids"] for p in prompts.load_humaneval(max(args.prompts, args.batch))]
+    backend = HttpBackend(args.url, tok)
+    settings = [parse_setting(x) for x in args.settings.split(",")]
+    rows = measure_cells(backend, ids, settings, single=args.prompts, batch=args.batch,
+                         max_tokens=args.max_tokens, seed0=1234,
+                         invariant=cfg.target.batch_invariant, adaptive_k=cfg.adaptive_k)
+    ratios(rows, cfg.target.batch_invariant)
+    for r in rows:
+        del r["texts"]
+    if args.in_process:
+        local = json.loads(Path(args.in_process).read_text()).get("shipped") or {"rows": []}
+        for r in rows:
+            twin = next((x for x in local["rows"] if all(x[k] == r[k] for k in
+                         ("batch_invariant", "setting", "concurrency", "mode"))), None)
+            if twin:
+                r["in_process_tokens_per_s"] = twin["tokens_per_s"]
+                r["vs_in_process"] = r["tokens_per_s"] / twin["tokens_per_s"]
+    return {"startup": startup, "machine": machine_info(), "config": args.config,
+            "max_tokens": args.max_tokens, "rows": rows}
+
+
+def markdown(report: dict) -> list[str]:
+    lines = [f"# Through the service ({report['config']})", "",
+             f"- machine: {report['machine']}",
+             f"- serve run to first answer: {report['startup']['serve_run_to_first_answer_s']} s",
+             f"- {report['max_tokens']} tokens per request", "",
+             "| setting | c | mode | tok/s | vs target-only | acceptance | mean K | in process tok/s | service / in process |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        def f(x, fmt="{:.2f}"):
+            return "" if x is None else fmt.format(x)
+        lines.append(f"| {r['setting_label']} | {r['concurrency']} | {r['mode']} | "
+                     f"{r['tokens_per_s']:.2f} | {f(r.get('speedup'), '{:.2f}x')} | "
+                     f"{f(r['acceptance_rate'])} | {f(r['mean_k'])} | "
+                     f"{f(r.get('in_process_tokens_per_s'))} | {f(r.get('vs_in_process'), '{:.2f}x')} |")
+    return lines
 
 
 if __name__ == "__main__":
