@@ -178,7 +178,7 @@ class ShapeCalibration:
         return sum(self.ms[name])
 
     def kernel(self, name: str) -> Kernel:
-        return Kernel.parse(name, self.pad_to.get(Kernel.parse(name).op, ()))
+        return Kernel.parse(name, self.pad_to.get(name.split(":")[1], ()))
 
 
 def _random_weight(shape, fmt: str, gen: torch.Generator) -> Weight:
