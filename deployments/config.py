@@ -34,7 +34,7 @@ class RunnerConfig(BaseModel):
     device: str = "cpu"
     max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS  # KV cache bound, over all sequences held
     num_threads: int | None = None  # torch threads; None = every core of the machine
-    max_batch_size: int = 16  # Serve dynamic batching (@serve.batch) of the pool's calls
+    max_batch_size: int = 16  # calls one forward pass takes at most (deployments.workers.CallBatcher)
     batch_wait_timeout_s: float = 0.002
     # Ranks of one replica (heads and MLP sharded, KV cache by head). The deployment's
     # placement_group_bundles must hold one bundle per rank; rank i runs in bundle i.

@@ -1,15 +1,20 @@
-"""Draft and Target deployments: a model runner behind Ray Serve's dynamic batching.
+"""Draft and Target deployments: a model runner whose forward passes concurrent requests share.
 
-Concurrent requests' calls are gathered by `@serve.batch` into one list, so their forward
-passes are shared. The model runs on one worker thread, which keeps the replica's event
-loop free (health checks, metrics, new calls queueing for the next batch) and serialises
-every use of the runner's caches.
+Calls that arrive while a forward pass runs wait, and the next pass takes all of them
+(`CallBatcher`), so under load a batch holds every waiting request: continuous batching.
+(Ray Serve's `@serve.batch` closes a batch after its wait window even while the model is
+busy, so with passes of hundreds of milliseconds its batches held one call each, measured.)
+The model runs on one worker thread, which keeps the replica's event loop free (health
+checks, metrics, new calls queueing for the next batch) and serialises every use of the
+runner's caches.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,14 +32,80 @@ __all__ = ["Draft", "RunnerConfig", "Target"]
 logger = logging.getLogger("ray.serve")
 
 
+class CallBatcher:
+    """Runs `run_batch(calls)` over every call that is waiting when the previous batch ends
+    (at most max_batch_size); a call reaching an idle batcher waits wait_s for company.
+
+    Requests in rounds come back together: each caller of a batch sends its next call once
+    it has processed the result, a few milliseconds apart. So while fewer calls wait than the
+    last batch held, the next batch waits for the rest, at most REGROUP of the last batch's
+    time and REGROUP_MAX_S; otherwise batches split into a large and a small one that
+    alternate for good."""
+
+    REGROUP = 0.25
+    REGROUP_MAX_S = 0.1  # after a long prefill batch, waiting a quarter of it would not pay
+
+    def __init__(self, run_batch, max_batch_size: int, wait_s: float):
+        self._run_batch, self._max, self._wait_s = run_batch, max_batch_size, wait_s
+        self._last_size, self._last_s = 0, 0.0
+        self._waiting: list[tuple[object, asyncio.Future]] = []
+        self._draining = False
+        self._task: asyncio.Task | None = None  # held: the loop keeps only weak references
+
+    async def submit(self, call):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._waiting.append((call, future))
+        if not self._draining:
+            self._draining = True
+            # An empty context: the drain outlives the request that happened to start it.
+            self._task = loop.create_task(self._drain(), context=contextvars.Context())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            await asyncio.sleep(self._wait_s)
+            while self._waiting:
+                await self._regroup()
+                batch = [(c, f) for c, f in self._waiting[: self._max] if not f.done()]
+                del self._waiting[: self._max]
+                if batch:
+                    await self._run(batch)
+        except asyncio.CancelledError:  # the replica is going away: no caller waits forever
+            for _, f in self._waiting:
+                f.cancel()
+            self._waiting.clear()
+            raise
+        finally:
+            self._draining = False
+
+    async def _regroup(self) -> None:
+        deadline = time.monotonic() + min(self.REGROUP * self._last_s, self.REGROUP_MAX_S)
+        while len(self._waiting) < min(self._last_size, self._max) and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+
+    async def _run(self, batch) -> None:
+        started = time.monotonic()
+        try:
+            results = await self._run_batch([c for c, _ in batch])
+            self._last_size, self._last_s = len(batch), time.monotonic() - started
+        except Exception as exc:  # every caller of the batch gets the error
+            for _, f in batch:
+                if not f.done():
+                    f.set_exception(exc)
+            return
+        for (_, f), result in zip(batch, results):
+            if not f.done():  # a cancelled caller's future is done already
+                f.set_result(result)
+
+
 class _ModelServer:
-    batched: str  # the name of the subclass's @serve.batch method
+    round_fn = None  # run_draft or run_target: what one batch computes
 
     def __init__(self, config: dict | RunnerConfig, cache_dir: str | None = None):
         self.config = RunnerConfig.model_validate(config)
-        method = getattr(self, self.batched)  # @serve.batch sized from the config
-        method.set_max_batch_size(self.config.max_batch_size)
-        method.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
+        self._batcher = CallBatcher(self._run_batch, self.config.max_batch_size,
+                                    self.config.batch_wait_timeout_s)
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus; a CPU replica left at one
         # thread decodes at half speed on a 2-core machine. Tensor-parallel ranks share.
         tp_size = self.config.tensor_parallel_size
@@ -67,6 +138,9 @@ class _ModelServer:
             self._released.popitem(last=False)
         await self._run(self.runner.release, request_id)
 
+    async def _run_batch(self, calls):
+        return await self._run(self._batch, self.round_fn, calls)
+
     def _batch(self, fn, calls):
         """Run a batch on the model thread. A cancelled request's call can still be
         queued in a batch after its release arrived; drop what such calls cached."""
@@ -86,17 +160,15 @@ class _ModelServer:
 
 @serve.deployment(name="Draft")
 class Draft(_ModelServer):
-    batched = "propose"
+    round_fn = staticmethod(run_draft)
 
-    @serve.batch
-    async def propose(self, calls: list[DraftCall]) -> list[Proposal]:
-        return await self._run(self._batch, run_draft, calls)
+    async def propose(self, call: DraftCall) -> Proposal:
+        return await self._batcher.submit(call)
 
 
 @serve.deployment(name="Target")
 class Target(_ModelServer):
-    batched = "score"
+    round_fn = staticmethod(run_target)
 
-    @serve.batch
-    async def score(self, calls: list[ScoreCall]) -> list[Scores]:
-        return await self._run(self._batch, run_target, calls)
+    async def score(self, call: ScoreCall) -> Scores:
+        return await self._batcher.submit(call)

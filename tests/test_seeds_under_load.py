@@ -10,7 +10,7 @@ bitwise invariant on this machine, so a row's numbers cannot depend on the rest 
 batch; the paged attention is invariant by construction.
 
 The harness drives `LocalEngine.step`, i.e. exactly the batched `run_draft` / `run_target`
-calls the Draft and Target deployments make for a `@serve.batch`, over a schedule that
+calls the Draft and Target deployments make for a batch, over a schedule that
 admits background requests at random rounds (their prefill shares a forward pass with the
 others' decode rows), varies their number (8-16), their prompt and output lengths, K and
 sampling parameters, and shuffles the batch order every round. A Serve test confirms a
