@@ -146,7 +146,7 @@ def markdown(section: dict, hf: dict | None = None) -> list[str]:
              f"- target kernels: {cal['target']['kernels']}",
              f"- target matmul estimate (ms at rows): {cal['target']['forward_ms']}; invariance "
              f"costs {cal['target']['invariance_cost']}x the fastest kernels; dtype=auto candidates "
-             f"(ms at rows 1/5/16): {cal['target'].get('formats_ms')}",
+             f"(ms at rows {'/'.join(map(str, cal['target']['forward_ms']))}): {cal['target'].get('formats_ms')}",
              f"- adaptive-K cost table: {cal['k_costs']}", "",
              "| invariant | setting | c | mode | tok/s | vs target-only | decode vs target-only "
              "| acceptance | mean K | vs other mode | greedy identical |",

@@ -44,10 +44,14 @@ FORMATS = tuple(f for f in ALL_FORMATS
                 if f != "float16" or "fbgemm" in torch.backends.quantized.supported_engines)
 BLOCKS = (None, 1, 4, 8, 16, 32, 64)
 # Row counts a pool's calls have: a decode (1), a K+1-row verify, a batch of requests.
+# Kernels and formats are chosen by their total time over these.
 PROFILE_ROWS = (1, 5, 16)
+# Timed too, for the K policy's cost table: eight requests' verifies fill several 16-row
+# blocks, and a table that stopped at 16 rows would call their extra blocks free.
+COST_ROWS = PROFILE_ROWS + (64,)
 # Row counts searched for a padded kernel's invariant counts; longer inputs are cut.
 PAD_SEARCH_ROWS = 24
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -164,18 +168,23 @@ def _apply_padded(kernel: Kernel, x: torch.Tensor, data, scales) -> torch.Tensor
 # ---- calibration -----------------------------------------------------------------------------
 
 
+def profile_sum(ms_at_cost_rows: Sequence[float]) -> float:
+    """What choices weigh: the total over PROFILE_ROWS of times listed at COST_ROWS."""
+    return sum(ms_at_cost_rows[: len(PROFILE_ROWS)])
+
+
 @dataclass
 class ShapeCalibration:
     shape: tuple[int, int]
     format: str
-    ms: dict[str, list[float]]  # kernel name -> ms at PROFILE_ROWS
+    ms: dict[str, list[float]]  # kernel name -> ms at COST_ROWS
     invariant: dict[str, bool]  # kernel name -> passed the bitwise check
     fastest: str
     fastest_invariant: str | None
     pad_to: dict[str, list[int]] = field(default_factory=dict)  # op -> row counts of its pad kernel
 
     def cost(self, name: str) -> float:
-        return sum(self.ms[name])
+        return profile_sum(self.ms[name])
 
     def kernel(self, name: str) -> Kernel:
         return Kernel.parse(name, self.pad_to.get(name.split(":")[1], ()))
@@ -251,19 +260,19 @@ def calibrate_shape(shape: tuple[int, int], fmt: str, *, check_rows: int = 32) -
     for op in ops_for(fmt):
         pad_to = pads[op] = good_row_counts(op, weight, gen)
         candidates = [Kernel(fmt, op, b) for b in BLOCKS] + [Kernel(fmt, op, None, tuple(pad_to))]
-        needed = {*PROFILE_ROWS, *(b for b in BLOCKS if b)}
-        needed |= {m for r in PROFILE_ROWS for m in padded_calls(r, pad_to)}
+        needed = {*COST_ROWS, *(b for b in BLOCKS if b)}
+        needed |= {m for r in COST_ROWS for m in padded_calls(r, pad_to)}
         base = {r: time_op(op, weight, r) for r in sorted(needed)}
         for k in candidates:
             if k.pad_to:
-                ms[k.name] = [sum(base[m] for m in padded_calls(r, k.pad_to)) for r in PROFILE_ROWS]
+                ms[k.name] = [sum(base[m] for m in padded_calls(r, k.pad_to)) for r in COST_ROWS]
             else:
                 ms[k.name] = [base[r] if k.block is None else -(-r // k.block) * base[k.block]
-                              for r in PROFILE_ROWS]
+                              for r in COST_ROWS]
             inv[k.name] = is_invariant(k, weight, check_rows, gen)
-    fastest = min(ms, key=lambda n: sum(ms[n]))
+    fastest = min(ms, key=lambda n: profile_sum(ms[n]))
     passing = [n for n in ms if inv[n]]
-    best_inv = min(passing, key=lambda n: sum(ms[n])) if passing else None
+    best_inv = min(passing, key=lambda n: profile_sum(ms[n])) if passing else None
     return ShapeCalibration(tuple(shape), fmt, ms, inv, fastest, best_inv, pads)
 
 
@@ -323,9 +332,9 @@ def calibrate(shapes: Sequence[tuple[int, int]], fmt: str, *, use_cache: bool = 
 
 def forward_ms(cal: dict[tuple[int, int], ShapeCalibration], counts: dict[tuple[int, int], int],
                invariant: bool) -> list[float] | None:
-    """Estimated ms of the model's matmuls at PROFILE_ROWS with the chosen kernels (None when
+    """Estimated ms of the model's matmuls at COST_ROWS with the chosen kernels (None when
     a shape has no invariant kernel and invariance is asked for)."""
-    total = [0.0] * len(PROFILE_ROWS)
+    total = [0.0] * len(COST_ROWS)
     for shape, n in counts.items():
         c = cal[shape]
         name = c.fastest_invariant if invariant else c.fastest

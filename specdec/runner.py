@@ -63,7 +63,7 @@ class KernelChoice:
     format: str
     batch_invariant: bool
     kernels: dict[str, str]  # "out x in" -> kernel name
-    forward_ms: list[float]  # estimated matmul ms per forward at kernels.PROFILE_ROWS
+    forward_ms: list[float]  # estimated matmul ms per forward at kernels.COST_ROWS
     fastest_forward_ms: list[float]  # the same with the fastest kernels, invariant or not
     invariant_ok: bool  # every shape had a kernel that passed the bitwise check
     formats_ms: dict[str, list[float]] = field(default_factory=dict)  # dtype=auto's candidates
@@ -71,13 +71,13 @@ class KernelChoice:
 
     @property
     def invariance_cost(self) -> float:
-        return sum(self.forward_ms) / max(sum(self.fastest_forward_ms), 1e-9)
+        return kernels.profile_sum(self.forward_ms) / max(kernels.profile_sum(self.fastest_forward_ms), 1e-9)
 
     def to_dict(self) -> dict:
         return dict(format=self.format, batch_invariant=self.batch_invariant, kernels=self.kernels,
-                    forward_ms={r: round(m, 2) for r, m in zip(kernels.PROFILE_ROWS, self.forward_ms)},
+                    forward_ms={r: round(m, 2) for r, m in zip(kernels.COST_ROWS, self.forward_ms)},
                     fastest_forward_ms={r: round(m, 2) for r, m in
-                                        zip(kernels.PROFILE_ROWS, self.fastest_forward_ms)},
+                                        zip(kernels.COST_ROWS, self.fastest_forward_ms)},
                     invariance_cost=round(self.invariance_cost, 3), invariant_ok=self.invariant_ok,
                     formats_ms={f: [round(m, 2) for m in ms] for f, ms in self.formats_ms.items()},
                     machine=self.machine)
@@ -94,7 +94,7 @@ def choose_format(shapes: dict[tuple[int, int], int], device, batch_invariant: b
         est = kernels.forward_ms(kernels.calibrate(list(shapes), fmt), shapes, batch_invariant)
         if est is not None:
             estimates[fmt] = est
-    best = min(estimates, key=lambda f: sum(estimates[f]))
+    best = min(estimates, key=lambda f: kernels.profile_sum(estimates[f]))
     return best, estimates
 
 
@@ -130,7 +130,7 @@ def choose_kernels(shapes: dict[tuple[int, int], int], fmt: str, device,
 
 def _report(choice: KernelChoice, model_dir) -> None:
     logger.info("%s: weights %s, kernels %s, est. matmul ms at rows %s: %s",
-                Path(model_dir).name, choice.format, choice.kernels, kernels.PROFILE_ROWS,
+                Path(model_dir).name, choice.format, choice.kernels, kernels.COST_ROWS,
                 [round(m, 1) for m in choice.forward_ms])
     if choice.batch_invariant and not choice.invariant_ok:
         logger.warning("batch_invariant: NO matmul kernel passed the bitwise invariance check "

@@ -97,3 +97,14 @@ def test_plan_k_weighs_load_only_where_text_cannot_depend_on_k():
     assert alone >= 3 and loaded == 0
     alone, loaded = plan(drafter_invariant=True)
     assert alone >= 3 and loaded == 0
+
+
+def test_blocks_beyond_sixteen_rows_are_not_free():
+    """Measured on a 2-core Xeon with AMX (bf16, 16-row blocks): a pass costs the same from 1
+    to 16 rows, and each further block of 16 as much again. Eight greedy requests at K=3 feed
+    32 rows; a table that stopped at 16 rows extrapolated them as free and chose K >= 3."""
+    flat = Costs(35.9, (1, 5, 16), (84.6, 84.6, 84.6), (35.9, 32.8, 34.6))
+    measured = Costs(35.9, (1, 5, 16, 64), (84.6, 84.6, 84.6, 338.2), (35.9, 32.8, 34.6, 138.2))
+    assert choose_k(6, tested=100, accepted=88, costs=flat, concurrent=8) >= 3
+    assert choose_k(6, tested=100, accepted=88, costs=measured, concurrent=8) <= 1
+    assert choose_k(6, tested=100, accepted=88, costs=measured) >= 3  # alone: unchanged

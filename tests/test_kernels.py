@@ -57,3 +57,15 @@ def test_fbgemm_fp16_padded_kernel_is_invariant():
     x = torch.randn(5, 512, generator=gen)
     ref = torch.nn.functional.linear(x, torch.ops.quantized.linear_unpack_fp16(w.data)[0])
     torch.testing.assert_close(w(x), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_calibration_times_rows_beyond_the_choice_profile_for_the_k_policy():
+    """Kernels are chosen over PROFILE_ROWS, but times are listed at COST_ROWS too, so the
+    K policy sees what a batch of verifies (several 16-row blocks) costs."""
+    assert kernels.COST_ROWS[: len(kernels.PROFILE_ROWS)] == kernels.PROFILE_ROWS
+    assert max(kernels.COST_ROWS) >= 8 * 7  # eight requests' verifies at K = 6
+    cal = kernels.calibrate_shape((64, 96), "float32")
+    assert all(len(ms) == len(kernels.COST_ROWS) for ms in cal.ms.values())
+    b16 = cal.ms["float32:linear:b16"]
+    assert b16[-1] == pytest.approx(-(-max(kernels.COST_ROWS) // 16) * b16[kernels.PROFILE_ROWS.index(16)])
+    assert cal.cost(cal.fastest) == kernels.profile_sum(cal.ms[cal.fastest])
