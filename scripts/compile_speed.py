@@ -10,14 +10,17 @@ call whose context crossed into a new KV block (a new shape for the attention), 
 the compiled logits are bitwise those of eager (batch invariance is a bitwise property: a
 compiled graph per shape may round differently from another shape's).
 
-    .venv/bin/python scripts/compile_speed.py --out docs/compile_speed.json
+    .venv/bin/python scripts/compile_speed.py --out docs/compile_speed.json [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -46,7 +49,12 @@ def _call_ms(runner: ModelRunner, requests: int, rows: int, context: int, repeat
 def measure(runner: ModelRunner, requests: int, rows: int, repeats: int) -> dict:
     eager_ms, eager_out = _call_ms(runner, requests, rows, CONTEXT, repeats)
     forward = runner.model.forward
-    runner.model.forward = torch.compile(forward, dynamic=False)
+    # The forward runs under inference_mode, whose tensors a compiled graph cannot take
+    # ("Cannot set version_counter for inference tensor"): compile the plain function and
+    # run it under no_grad instead.
+    plain = torch.compile(functools.partial(type(runner.model).forward.__wrapped__, runner.model),
+                          dynamic=False)
+    runner.model.forward = torch.no_grad()(plain)
     try:
         first_ms, _ = _call_ms(runner, requests, rows, CONTEXT, 1)
         compiled_ms, compiled_out = _call_ms(runner, requests, rows, CONTEXT, repeats)
@@ -63,26 +71,44 @@ def measure(runner: ModelRunner, requests: int, rows: int, repeats: int) -> dict
                 max_abs_diff=float((eager_out - compiled_out).abs().max()))
 
 
+SHIPPED = dict(dtype="auto", batch_invariant=True)
+PLAIN = dict(dtype="float32", batch_invariant=False)  # aten ops only: all of it traceable
+CELLS = [("draft", SHIPPED, 1, 1), ("target", SHIPPED, 1, 4), ("target", SHIPPED, 8, 4),
+         ("target", PLAIN, 1, 4)]
+
+
+def run_cell(index: int, repeats: int) -> dict:
+    name, kw, requests, rows = CELLS[index]
+    runner = ModelRunner(dict(zip(("draft", "target"), ensure_default_pair()))[name], **kw)
+    cell = dict(model=name, format=runner.calibration().get("format"),
+                batch_invariant=kw["batch_invariant"], requests=requests, rows_each=rows)
+    try:
+        cell.update(measure(runner, requests, rows, repeats))
+    except Exception as exc:  # a failed compile is a result too: say which and why
+        causes = [ln for ln in str(exc).splitlines() if "Error:" in ln] or [str(exc)]
+        cell.update(compile_error=f"{type(exc).__name__}: {causes[-1].strip()}")
+    return cell
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--cell", type=int, help=argparse.SUPPRESS)  # one cell, in this process
     args = p.parse_args()
-    draft, target = ensure_default_pair()
+    if args.cell is not None:
+        print("CELL " + json.dumps(run_cell(args.cell, args.repeats)), flush=True)
+        return
+    ensure_default_pair()
     cells = []
-    shipped = dict(dtype="auto", batch_invariant=True)
-    plain = dict(dtype="float32", batch_invariant=False)  # aten ops only: all of it traceable
-    for name, path, kw, shapes in (("draft", draft, shipped, [(1, 1)]),
-                                   ("target", target, shipped, [(1, 4), (8, 4)]),
-                                   ("target", target, plain, [(1, 4)])):
-        runner = ModelRunner(path, **kw)
-        for requests, rows in shapes:
-            cell = dict(model=name, format=runner.calibration().get("format"),
-                        batch_invariant=kw["batch_invariant"],
-                        **measure(runner, requests, rows, args.repeats))
-            print(json.dumps(cell), flush=True)
-            cells.append(cell)
-        del runner
+    for i in range(len(CELLS)):  # each in its own process: a failed compile leaves torch's
+        proc = subprocess.run([sys.executable, __file__, "--out", args.out, "--repeats",  # state
+                               str(args.repeats), "--cell", str(i)],  # unusable
+                              capture_output=True, text=True)
+        lines = [ln[5:] for ln in proc.stdout.splitlines() if ln.startswith("CELL ")]
+        cell = json.loads(lines[0]) if lines else dict(cell=i, error=proc.stderr[-500:])
+        print(json.dumps(cell), flush=True)
+        cells.append(cell)
     out = dict(machine=machine_info(), torch=torch.__version__, context=CONTEXT, cells=cells)
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=1)
