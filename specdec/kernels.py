@@ -131,7 +131,11 @@ def _op(op: str, x, data, scales):
 
 def apply(kernel: Kernel, x: torch.Tensor, data, scales=None) -> torch.Tensor:
     """x [T, in] -> [T, out] with `kernel`; rows in fixed blocks when kernel.block is set,
-    in calls padded to a measured row count when kernel.pad_to is."""
+    in calls padded to a measured row count when kernel.pad_to is. Input and output are
+    contiguous whatever the op returns: a GEMM library may take another path for a strided
+    operand, so a layout that depends on the row count (`wxt`'s transposed result in a
+    one-block call, a cat in a longer one) would make the next matmul batch-variant."""
+    x = x.contiguous()
     if kernel.pad_to:
         return _apply_padded(kernel, x, data, scales)
     B, T = kernel.block, x.shape[0]
@@ -141,7 +145,7 @@ def apply(kernel: Kernel, x: torch.Tensor, data, scales=None) -> torch.Tensor:
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
     if x.shape[0] == B:
-        return _op(kernel.op, x, data, scales)[:T]
+        return _op(kernel.op, x, data, scales)[:T].contiguous()
     return torch.cat([_op(kernel.op, blk, data, scales) for blk in x.split(B)])[:T]
 
 
@@ -210,7 +214,9 @@ def is_invariant(kernel: Kernel, weight: Weight, max_rows: int, gen: torch.Gener
 
     if kernel.block is not None:
         out = apply(kernel, x, data, scales)
-        return all(torch.equal(out[i], row_alone(i)) for i in sorted({0, 1 % rows, rows // 2, rows - 1}))
+        same = apply(kernel, x[:1].expand(rows, -1), data, scales)  # one row at every place
+        return (all(torch.equal(same[i], same[0]) for i in range(rows))
+                and all(torch.equal(out[i], row_alone(i)) for i in sorted({0, 1 % rows, rows // 2, rows - 1})))
     counts = [n for n in (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 48, 64) if n <= rows]
     for n in counts:
         for start in sorted({0, rows - n}):

@@ -164,6 +164,22 @@ def test_calibration_picks_an_invariant_kernel_for_a_shape_dependent_gemm(runner
     assert results["bypassed"] != [True, True]
 
 
+@pytest.mark.parametrize("kernel", ["float32:wxt:b32", "float32:linear:b4", "float32:wxt:b4"])
+def test_a_blocked_kernel_is_invariant_to_how_positions_are_fed(runner_factory, monkeypatch, kernel):
+    """Every blocked kernel is invariant by construction, whichever one the calibration's
+    timing picks: `wxt` returns a transposed result, and a layout that depends on the row
+    count would change the next (row-count dependent) matmul's path."""
+    from specdec import kernels
+    from specdec.kernels import Kernel
+
+    monkeypatch.setattr(kernels, "_op", split_k(kernels._op))
+    runner = runner_factory(dtype="float32")
+    runner.model.use_kernels({s: Kernel.parse(kernel) for s in runner.model.weight_shapes()})
+    ids, prompt_len = _prompt(48, seed=3), 12
+    got = {name: _logits_by_schedule(runner, ids, prompt_len, ends) for name, ends in SCHEDULES.items()}
+    assert [torch.equal(got["decode"], got[name]) for name in ("prefill", "verify")] == [True, True]
+
+
 def test_capacity_error_when_the_call_alone_does_not_fit(runner_factory):
     runner = runner_factory(max_cache_tokens=64)  # 4 blocks of 16
     runner.extend([("a", _prompt(20), 1)])
