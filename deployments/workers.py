@@ -50,12 +50,14 @@ class CallBatcher:
         self._last_size, self._last_s = 0, 0.0
         self._waiting: list[tuple[object, asyncio.Future]] = []
         self._draining = False
+        self._arrived = asyncio.Event()  # set by submit: a regrouping batch counts again
         self._task: asyncio.Task | None = None  # held: the loop keeps only weak references
 
     async def submit(self, call):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._waiting.append((call, future))
+        self._arrived.set()
         if not self._draining:
             self._draining = True
             # An empty context: the drain outlives the request that happened to start it.
@@ -81,8 +83,15 @@ class CallBatcher:
 
     async def _regroup(self) -> None:
         deadline = time.monotonic() + min(self.REGROUP * self._last_s, self.REGROUP_MAX_S)
-        while len(self._waiting) < min(self._last_size, self._max) and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)
+        while len(self._waiting) < min(self._last_size, self._max):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     async def _run(self, batch) -> None:
         started = time.monotonic()
