@@ -51,7 +51,7 @@ PROFILE_ROWS = (1, 5, 16)
 COST_ROWS = PROFILE_ROWS + (64,)
 # Row counts searched for a padded kernel's invariant counts; longer inputs are cut.
 PAD_SEARCH_ROWS = 24
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5  # 5: the one-row-at-every-place check
 
 
 @dataclass(frozen=True)
