@@ -7,12 +7,12 @@ QUERY_BLOCK rows (the last one padded). A query block attends to its request's k
 0..n-1; every (query block, key block) pair is one fixed-shape matrix product
 [G * QUERY_BLOCK, D] x [D, BLOCK_SIZE] (G query heads per KV head), masked by position. The
 softmax takes the exact maximum over all keys, and the key blocks' partial sums are added in
-block order (missing blocks of a shorter request add exact zeros). So a row's output is the
+a fixed pairwise tree (missing blocks of a shorter request add exact zeros). So a row's output is the
 same bits whether it is computed in a prefill, a K+1-row verify, a re-prefill after failover
 or a one-row decode, and whoever else is in the batch: the rule the sampler's seeds rely on.
 
-Per layer this is a fixed number of tensor operations (plus one add per key block of the
-longest request), whatever the number of requests and rows: `AttentionPlan` computes the
+Per layer this is a fixed number of tensor operations (plus one sum per doubling of the
+longest request's key blocks), whatever the number of requests and rows: `AttentionPlan` computes the
 index tensors once per forward and every layer reuses them.
 """
 
@@ -33,7 +33,7 @@ MAX_UNITS = 8192  # (query block, key block) pairs computed together; bounds a l
 class _Group:
     rows: torch.Tensor  # [nb * QUERY_BLOCK] row index into the forward's rows (pads -> T)
     keys: torch.Tensor  # [nb, P] pool block of each key chunk (0, the zero block, past the end)
-    mask: torch.Tensor  # [nb, P, 1, 1, QUERY_BLOCK, BLOCK_SIZE] key visible to the row
+    hidden: torch.Tensor  # [nb, P, 1, 1, QUERY_BLOCK, BLOCK_SIZE] key not visible to the row
     chunks: int  # P
 
 
@@ -81,9 +81,9 @@ def _make_group(blocks, num_rows: int, device) -> _Group:
         keys.append(list(table[:n]) + [0] * (chunks - n))
     qpos_t = torch.tensor(qpos, device=device)  # [nb, Q]
     kpos = torch.arange(chunks * BLOCK_SIZE, device=device).view(chunks, BLOCK_SIZE)
-    mask = kpos[None, :, None, :] <= qpos_t[:, None, :, None]  # [nb, P, Q, S]
+    hidden = kpos[None, :, None, :] > qpos_t[:, None, :, None]  # [nb, P, Q, S]
     return _Group(torch.tensor(rows, device=device), torch.tensor(keys, device=device),
-                  mask[:, :, None, None], chunks)
+                  hidden[:, :, None, None], chunks)
 
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -105,6 +105,19 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     return out[:T].to(q.dtype)
 
 
+def _sum_key_blocks(o: torch.Tensor) -> torch.Tensor:
+    """o [nb, P, ...] summed over the P key blocks as a pairwise tree over P zero-padded to a
+    power of two: each level adds aligned pairs, so the sum of a request's blocks (those past
+    its end are exact zeros) has the same bits whatever the longest request of the call, in
+    log2(P) tensor operations instead of P."""
+    width = 1 << (o.shape[1] - 1).bit_length()
+    if width > o.shape[1]:
+        o = torch.cat([o, o.new_zeros(o.shape[0], width - o.shape[1], *o.shape[2:])], 1)
+    while o.shape[1] > 1:  # a sum over a pair is one addition: exact order
+        o = o.view(o.shape[0], o.shape[1] // 2, 2, *o.shape[2:]).sum(2)
+    return o[:, 0]
+
+
 def _attend_group(q_rows, k_blocks, v_blocks, g: _Group, KV: int, G: int, D: int) -> torch.Tensor:
     Q, S, P = QUERY_BLOCK, BLOCK_SIZE, g.chunks
     nb = g.keys.shape[0]
@@ -113,12 +126,10 @@ def _attend_group(q_rows, k_blocks, v_blocks, g: _Group, KV: int, G: int, D: int
     v = v_blocks[g.keys].float().permute(0, 1, 3, 2, 4)  # [nb, P, KV, S, D]
     v = torch.cat([v, v.new_ones(nb, P, KV, S, 1)], -1)  # the ones column sums the weights
     s = torch.matmul(q, k).view(nb, P, KV, G, Q, S)  # [nb, P, KV, G, Q, S]
-    s = s.masked_fill(~g.mask, float("-inf"))
+    s = s.masked_fill(g.hidden, float("-inf"))
     m = s.amax(dim=(1, 5), keepdim=True)  # exact: the maximum has no rounding
     p = torch.exp(s - m).view(nb, P, KV, G * Q, S)
     o = torch.matmul(p, v)  # [nb, P, KV, G * Q, D + 1]
-    acc = o[:, 0].clone()
-    for c in range(1, P):  # key blocks in order; blocks past a request's end add zeros
-        acc += o[:, c]
+    acc = _sum_key_blocks(o)
     out = acc[..., :D] / acc[..., D:]  # [nb, KV, G * Q, D]
     return out.view(nb, KV, G, Q, D).permute(0, 3, 1, 2, 4).reshape(nb * Q, KV * G, D)
