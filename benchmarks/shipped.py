@@ -15,6 +15,8 @@ import yaml
 
 
 CONFIG = Path(__file__).resolve().parent.parent / "ray_config.yaml"
+# The proposal vocabulary the comparison tries when the shipped draft keeps its whole head.
+OTHER_PROPOSAL_VOCAB = 32_768
 
 
 def shipped_config(path: Path = CONFIG):
@@ -77,6 +79,41 @@ def measure_cells(backend, prompt_ids, settings, *, single: int, batch: int, max
     return rows
 
 
+def compare_proposal_vocab(backend, prompt_ids, settings, *, single: int, max_tokens: int,
+                           seed0: int, shipped_vocab: int | None, progress=None) -> list[dict]:
+    """The speculative cells at concurrency 1 again with a draft whose vocabulary head is
+    the other choice (whole when the shipped draft is pruned, OTHER_PROPOSAL_VOCAB ids when
+    it is whole), on the same engine: acceptance and tokens/s of the two heads."""
+    from dataclasses import replace
+
+    from benchmarks.backends import _TimedRunner
+    from specdec.k_policy import Costs
+    from specdec.runner import ModelRunner
+
+    engine, info = backend.engine, backend.engine.info
+    shipped = engine.draft
+    vocab = None if shipped_vocab else OTHER_PROPOSAL_VOCAB
+    other = _TimedRunner(ModelRunner(shipped.runner.model_dir, dtype=shipped.runner.model.format,
+                                     batch_invariant=shipped.runner.batch_invariant,
+                                     proposal_vocab=vocab))
+    engine.draft = backend.draft = other
+    if info.k_costs:  # adaptive K from this draft's own measured cost
+        engine.info = replace(info, k_costs=Costs.from_calibrations(other.calibration(),
+                                                                     engine.target.calibration()))
+    rows = []
+    try:
+        for s in settings:
+            reqs = _requests(prompt_ids[:single], s.params, k=None, max_tokens=max_tokens, seed0=seed0)
+            cb = progress(f"draft vocabulary {vocab or 'whole'} {s.label}",
+                          len(reqs) * max_tokens) if progress else None
+            outs, stats = backend.run(reqs, 1, progress=cb)
+            rows.append(_row(outs, stats, setting=s.key, setting_label=s.label, concurrency=1,
+                             proposal_vocab=other.proposal_vocab or "whole"))
+    finally:
+        engine.draft, backend.draft, engine.info = shipped, shipped, info
+    return rows
+
+
 def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *, single: int,
                 batch: int, max_tokens: int, seed0: int, progress=None, config_path: Path = CONFIG) -> dict:
     """settings: benchmarks.run.Setting list. single: prompts run one at a time; batch: the
@@ -87,7 +124,8 @@ def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *,
     t0 = time.perf_counter()
     backend = LocalBackend(draft_dir, target_dir, dtype=cfg.target.dtype,
                            batch_invariant=cfg.target.batch_invariant, adaptive_k=cfg.adaptive_k,
-                           num_speculative_tokens=cfg.num_speculative_tokens)
+                           num_speculative_tokens=cfg.num_speculative_tokens,
+                           proposal_vocab=cfg.draft.proposal_vocab)
     load_s = time.perf_counter() - t0
     engine = backend.engine
     calibration = {"draft": engine.draft.calibration(), "target": engine.target.calibration(),
@@ -105,15 +143,35 @@ def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *,
     for runner in (engine.draft, engine.target):
         runner.set_batch_invariant(shipped_inv)
     ratios(rows, shipped_inv)
+    vocab_rows = compare_proposal_vocab(backend, prompt_ids, settings, single=single,
+                                        max_tokens=max_tokens, seed0=seed0,
+                                        shipped_vocab=cfg.draft.proposal_vocab, progress=progress)
+    vocab_ratios(vocab_rows, rows, shipped_inv)
     describe = dict(backend.describe, load_s=load_s)
     backend.close()
-    for r in rows:
+    for r in rows + vocab_rows:
         del r["texts"]
     return {"config": {"dtype": cfg.target.dtype, "draft_dtype": cfg.draft.dtype,
+                       "proposal_vocab": engine.draft.proposal_vocab,
                        "batch_invariant": shipped_inv, "adaptive_k": cfg.adaptive_k,
                        "num_speculative_tokens": cfg.num_speculative_tokens,
                        "max_tokens": max_tokens, "single_prompts": single, "batch": batch},
-            "engine": describe, "calibration": calibration, "rows": rows}
+            "engine": describe, "calibration": calibration, "rows": rows,
+            "proposal_vocab_rows": vocab_rows}
+
+
+def vocab_ratios(vocab_rows: list[dict], rows: list[dict], shipped_inv: bool) -> None:
+    """Each other-head cell against the shipped draft's and target-only, same setting, c=1."""
+    for r in vocab_rows:
+        def cell(mode):
+            return next(x for x in rows if x["batch_invariant"] == shipped_inv and x["concurrency"] == 1
+                        and x["setting"] == r["setting"] and x["mode"] == mode)
+        r["speedup"] = r["tokens_per_s"] / cell("target-only")["tokens_per_s"]
+        r["vs_shipped_draft"] = r["tokens_per_s"] / cell("speculative")["tokens_per_s"]
+        r["shipped_acceptance_rate"] = cell("speculative")["acceptance_rate"]
+        if r["setting"] == "greedy":
+            base = cell("target-only")["texts"]
+            r["greedy_identical"] = sum(a == b for a, b in zip(r["texts"], base))
 
 
 def ratios(rows: list[dict], shipped_inv: bool) -> None:
@@ -160,6 +218,16 @@ def markdown(section: dict, hf: dict | None = None) -> list[str]:
             f"{f(r.get('decode_speedup'), '{:.2f}x')} | {f(r['acceptance_rate'])} | "
             f"{f(r['mean_k'])} | {f(r.get('vs_other_mode'), '{:.2f}x')} | "
             f"{'' if 'greedy_identical' not in r else str(r['greedy_identical']) + '/' + str(r['requests'])} |")
+    if section.get("proposal_vocab_rows"):
+        lines += ["", f"Draft vocabulary head (shipped: {cfg.get('proposal_vocab') or 'whole'}), "
+                  "speculative at c=1, against the shipped draft on the same engine:", "",
+                  "| draft vocabulary | setting | tok/s | vs target-only | vs shipped draft | "
+                  "acceptance | shipped acceptance | mean K |", "|---|---|---|---|---|---|---|---|"]
+        for r in section["proposal_vocab_rows"]:
+            lines.append(f"| {r['proposal_vocab']} | {r['setting_label']} | {r['tokens_per_s']:.2f} | "
+                         f"{r['speedup']:.2f}x | {r['vs_shipped_draft']:.2f}x | "
+                         f"{r['acceptance_rate'] or 0:.3f} | {r['shipped_acceptance_rate'] or 0:.3f} | "
+                         f"{r['mean_k']:.2f} |")
     if hf:
         for row in hf.get("rows", []):
             spec = next((r for r in section["rows"] if r["setting"] == row["setting"] and

@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specdec.params import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 from specdec.runner import DEFAULT_MAX_CACHE_TOKENS
@@ -44,6 +44,11 @@ class RunnerConfig(BaseModel):
     # neither on the rest of the batch nor on how many positions are fed together: seeded
     # output stays identical under load, across K and after a re-prefill.
     batch_invariant: bool = False
+    # Draft only: propose among this many token ids (the lowest ids, most frequent first in
+    # byte-level BPE vocabularies, plus the special tokens); None: the whole vocabulary.
+    # Exact either way (the target's distribution is what comes out); a smaller vocabulary
+    # head makes each draft step cheaper and accepts a little less. docs/ARCHITECTURE.md.
+    proposal_vocab: int | None = Field(None, ge=1)
 
 
 class CoordinatorConfig(BaseModel):
@@ -82,3 +87,11 @@ class AppConfig(CoordinatorConfig):
     coordinator_options: dict = {}
     draft_options: dict = {}
     target_options: dict = {}
+
+    @field_validator("target")
+    @classmethod
+    def _target_scores_every_token(cls, target: RunnerConfig) -> RunnerConfig:
+        if target.proposal_vocab is not None:
+            raise ValueError("proposal_vocab is a draft setting: the target scores every token "
+                             "(remove it from target:)")
+        return target

@@ -39,6 +39,7 @@ def _runner(path, config, rank: int, size: int) -> ModelRunner:
         max_cache_tokens=config.max_cache_tokens,
         tp=TensorParallel(rank, size),
         batch_invariant=config.batch_invariant,
+        proposal_vocab=config.proposal_vocab,
     )
 
 
@@ -72,7 +73,8 @@ class TensorParallelRunner(Runner):
                 "the deployment's placement_group_bundles (one per rank)"
             )
         # dtype auto: measured once here, so that every rank loads the same format
-        fmt = resolve_format(path, config.dtype, config.device, config.batch_invariant, size)
+        fmt = resolve_format(path, config.dtype, config.device, config.batch_invariant, size,
+                             config.proposal_vocab)
         config = config.model_copy(update={"dtype": fmt})
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
         threads = torch.get_num_threads()

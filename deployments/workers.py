@@ -129,6 +129,7 @@ class _ModelServer:
                 device=self.config.device,
                 max_cache_tokens=self.config.max_cache_tokens,
                 batch_invariant=self.config.batch_invariant,
+                proposal_vocab=self.config.proposal_vocab,
             )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._released: OrderedDict[str, None] = OrderedDict()  # recently finished requests

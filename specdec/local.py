@@ -34,9 +34,10 @@ class LocalEngine:
         max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS,
         batch_invariant: bool = False,
         adaptive_k: bool = False,
+        proposal_vocab: int | None = None,
     ):
         kw = dict(dtype=dtype, max_cache_tokens=max_cache_tokens, batch_invariant=batch_invariant)
-        self.draft = ModelRunner(draft_dir, **kw)
+        self.draft = ModelRunner(draft_dir, proposal_vocab=proposal_vocab, **kw)
         self.target = ModelRunner(target_dir, **kw)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.info = ModelInfo(

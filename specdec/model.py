@@ -33,6 +33,11 @@ from specdec import kernels
 from specdec.attention import BLOCK_SIZE, paged_attention, plan_attention
 from specdec.kernels import Kernel, Weight
 
+# The logit of a token outside a pruned head: finite, so that a request whose every kept
+# token is masked (allowed_token_ids elsewhere) still gets a proposal distribution, and far
+# enough below real logits that its probability is 0 otherwise.
+OUTSIDE_HEAD_LOGIT = -1e4
+
 
 class TensorParallel(NamedTuple):
     """This process's place in a tensor-parallel group. group=None: the default group."""
@@ -125,11 +130,15 @@ class Qwen2Model:
 
     `fmt` is the weight format (kernels.FORMATS); activations and the KV pool use
     kernels.compute_dtype(fmt). Each weight starts with its format's plain kernel;
-    `use_kernels` installs the calibrated ones."""
+    `use_kernels` installs the calibrated ones. `head_ids` (a draft's proposal vocabulary,
+    specdec.vocab.proposal_ids) keeps only those rows of the vocabulary head; the others'
+    logits are OUTSIDE_HEAD_LOGIT."""
 
     def __init__(self, model_dir, *, fmt: str = "bfloat16", device="cpu", tp_rank: int = 0,
-                 tp_size: int = 1, tp_group=None):
+                 tp_size: int = 1, tp_group=None, head_ids: Sequence[int] | None = None):
         self.model_dir = Path(model_dir)
+        self.head_ids = None if head_ids is None else torch.tensor(head_ids, dtype=torch.long,
+                                                                   device=device)
         self.config = cfg = ModelConfig.from_dir(model_dir)
         if fmt not in kernels.FORMATS:
             raise ValueError(f"weight format {fmt!r}: use one of {kernels.FORMATS}")
@@ -210,7 +219,8 @@ class Qwen2Model:
             ))
         self.norm = small(get("model.norm.weight"))
         head = get("lm_head.weight", optional=True)
-        self.lm_head = Weight(embed if head is None else head, self.format)  # tied or not
+        head = embed if head is None else head  # tied or not
+        self.lm_head = Weight(head if self.head_ids is None else head[self.head_ids], self.format)
         handles.clear()
 
     def weights(self) -> list[Weight]:
@@ -287,7 +297,11 @@ class Qwen2Model:
             x = x + self._attention(i, layer, self._rms_norm(x, layer["ln1"]), cos, sin, pool, plan)
             x = x + self._mlp(layer, self._rms_norm(x, layer["ln2"]))
         h = self._rms_norm(x[logit_rows], self.norm)
-        return self.lm_head(h).float()
+        if self.head_ids is None:
+            return self.lm_head(h).float()
+        logits = h.new_full((h.shape[0], self.config.vocab_size), OUTSIDE_HEAD_LOGIT, dtype=torch.float32)
+        logits[:, self.head_ids] = self.lm_head(h).float()
+        return logits
 
     def weight_bytes(self) -> int:
         """Bytes of weights this rank reads per forward (for bandwidth figures)."""
@@ -297,10 +311,10 @@ class Qwen2Model:
 
 
 def load_model(model_dir, *, fmt: str = "bfloat16", device="cpu",
-               tp: TensorParallel | None = None) -> Qwen2Model:
+               tp: TensorParallel | None = None, head_ids: Sequence[int] | None = None) -> Qwen2Model:
     tp = tp or TensorParallel()
     return Qwen2Model(model_dir, fmt=fmt, device=device, tp_rank=tp.rank, tp_size=tp.size,
-                      tp_group=tp.group)
+                      tp_group=tp.group, head_ids=head_ids)
 
 
 def parse_format(dtype) -> str:

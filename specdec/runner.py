@@ -34,6 +34,7 @@ from specdec.attention import BLOCK_SIZE
 from specdec.errors import CapacityError, ContextLengthError, RequestError
 from specdec.kernels import Kernel
 from specdec.model import ModelConfig, Segment, TensorParallel, load_model, parse_format
+from specdec.vocab import proposal_ids
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +43,17 @@ DEFAULT_MAX_CACHE_TOKENS = 65_536
 EXPENSIVE_INVARIANCE = 1.25
 
 
-def matmul_shapes(config: ModelConfig, tp_size: int = 1) -> dict[tuple[int, int], int]:
-    """The [out, in] shapes of one rank's weight matrices -> matmuls per forward."""
+def matmul_shapes(config: ModelConfig, tp_size: int = 1,
+                  head_rows: int | None = None) -> dict[tuple[int, int], int]:
+    """The [out, in] shapes of one rank's weight matrices -> matmuls per forward
+    (`head_rows`: a pruned vocabulary head's)."""
     c, D = config, config.head_dim
     qkv = ((c.num_heads + 2 * c.num_kv_heads) * D // tp_size, c.hidden_size)
     o = (c.hidden_size, c.num_heads * D // tp_size)
     gate_up = (2 * c.intermediate_size // tp_size, c.hidden_size)
     down = (c.hidden_size, c.intermediate_size // tp_size)
     counts: dict[tuple[int, int], int] = {}
-    for shape in [qkv, o, gate_up, down] * c.num_layers + [(c.vocab_size, c.hidden_size)]:
+    for shape in [qkv, o, gate_up, down] * c.num_layers + [(head_rows or c.vocab_size, c.hidden_size)]:
         counts[shape] = counts.get(shape, 0) + 1
     return counts
 
@@ -98,14 +101,23 @@ def choose_format(shapes: dict[tuple[int, int], int], device, batch_invariant: b
     return best, estimates
 
 
-def resolve_format(model_dir, dtype, device, batch_invariant: bool, tp_size: int = 1) -> str:
+def head_ids_for(model_dir, proposal_vocab: int | None) -> list[int] | None:
+    """The vocabulary head rows a runner keeps: all (None), or a draft's proposal vocabulary."""
+    if proposal_vocab is None:
+        return None
+    return proposal_ids(model_dir, proposal_vocab, ModelConfig.from_dir(model_dir).vocab_size)
+
+
+def resolve_format(model_dir, dtype, device, batch_invariant: bool, tp_size: int = 1,
+                   proposal_vocab: int | None = None) -> str:
     """A concrete weight format for `dtype` ('auto' measured here). Tensor-parallel ranks
     must agree: the replica resolves it once and hands every rank the result."""
     fmt = parse_format(dtype)
     if fmt != "auto":
         return fmt
-    return choose_format(matmul_shapes(ModelConfig.from_dir(model_dir), tp_size), device,
-                         batch_invariant)[0]
+    head = head_ids_for(model_dir, proposal_vocab)
+    shapes = matmul_shapes(ModelConfig.from_dir(model_dir), tp_size, head and len(head))
+    return choose_format(shapes, device, batch_invariant)[0]
 
 
 def choose_kernels(shapes: dict[tuple[int, int], int], fmt: str, device,
@@ -181,19 +193,24 @@ class ModelRunner:
     that passed the calibration's bitwise check, so that a position's logits depend neither
     on which other requests share the forward pass nor on how many of its own positions are
     fed together (prefill, verify, decode); the attention is invariant in both modes.
+    `proposal_vocab` (drafts only) keeps that many token ids in the vocabulary head
+    (specdec.vocab.proposal_ids); the others' logits are model.OUTSIDE_HEAD_LOGIT.
     `kernels` overrides the calibration ({shape: Kernel}), e.g. to bypass it in tests."""
 
     def __init__(self, model_dir, *, dtype="bfloat16", device="cpu",
                  max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS,
                  tp: TensorParallel | None = None, batch_invariant: bool = False,
-                 kernels: dict[tuple[int, int], Kernel] | None = None):
+                 kernels: dict[tuple[int, int], Kernel] | None = None,
+                 proposal_vocab: int | None = None):
         self.model_dir = Path(model_dir)  # a model folder: callers resolve names first
         tp = tp or TensorParallel()
-        shapes = matmul_shapes(ModelConfig.from_dir(self.model_dir), tp.size)
+        head = head_ids_for(self.model_dir, proposal_vocab)
+        shapes = matmul_shapes(ModelConfig.from_dir(self.model_dir), tp.size, head and len(head))
         fmt, formats_ms = parse_format(dtype), {}
         if fmt == "auto":
             fmt, formats_ms = choose_format(shapes, device, batch_invariant)
-        self.model = load_model(self.model_dir, fmt=fmt, device=device, tp=tp)
+        self.model = load_model(self.model_dir, fmt=fmt, device=device, tp=tp, head_ids=head)
+        self.proposal_vocab = None if head is None else len(head)
         chosen, self.kernel_choice = choose_kernels(shapes, fmt, device, batch_invariant)
         self.kernel_choice.formats_ms = formats_ms
         self.model.use_kernels(kernels or chosen)
@@ -238,7 +255,7 @@ class ModelRunner:
                         pool_bytes=self.pool.nbytes)
 
     def calibration(self) -> dict:
-        return self.kernel_choice.to_dict()
+        return dict(self.kernel_choice.to_dict(), proposal_vocab=self.proposal_vocab)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Switches the mode on a loaded runner (the calibration is cached: no reload)."""

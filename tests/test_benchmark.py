@@ -95,6 +95,14 @@ def test_benchmark_smoke(tiny_pair, tmp_path):
         assert r["tokens"] == r["requests"] * 6 and r["speedup"] > 0
         if r["batch_invariant"] and r["setting"] == "greedy" and r["mode"] == "speculative":
             assert r["greedy_identical"] == r["requests"]  # greedy speculative == target-only
+    # the shipped draft's pruned vocabulary head against the whole head, same engine
+    assert shipped["config"]["proposal_vocab"] > 65536  # plus the special tokens
+    vocab_rows = shipped["proposal_vocab_rows"]
+    assert {(r["setting"], r["proposal_vocab"]) for r in vocab_rows} == {("greedy", "whole"), ("t0.6p0.9", "whole")}
+    for r in vocab_rows:
+        assert r["tokens"] == r["requests"] * 6 and r["vs_shipped_draft"] > 0
+        if r["setting"] == "greedy":
+            assert r["greedy_identical"] == r["requests"]
 
     cells = report["cells"]
     keys = {(c["setting"], c["mode"], c["k"], c["concurrency"]) for c in cells}

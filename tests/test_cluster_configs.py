@@ -336,3 +336,13 @@ def test_render_replaces_only_the_serve_config_block():
 
     manifest = "a: 1\nspec:\n  serveConfigV2: |\n    old: 1\n\n    more: 2\n  other: 3\n"
     assert render(manifest, "new: 2\n# note\n") == "a: 1\nspec:\n  serveConfigV2: |\n    new: 2\n    # note\n  other: 3\n"
+
+
+def test_proposal_vocab_is_a_draft_setting():
+    from pydantic import ValidationError
+
+    from deployments.config import AppConfig
+
+    assert AppConfig(draft={"model": "default-draft", "proposal_vocab": 65536}).draft.proposal_vocab == 65536
+    with pytest.raises(ValidationError, match="proposal_vocab is a draft setting: the target scores every token"):
+        AppConfig(target={"model": "default-target", "proposal_vocab": 65536})

@@ -385,11 +385,11 @@ def small_pair_dirs(tmp_path_factory, tokenizer_dir):
     return _SMALL["pair"]
 
 
-def _small_engine(pair, batch_invariant: bool):
+def _small_engine(pair, batch_invariant: bool, proposal_vocab: int | None = None):
     from specdec.local import LocalEngine
 
     engine = LocalEngine(*pair, num_speculative_tokens=3, dtype="float32",
-                         batch_invariant=batch_invariant)
+                         batch_invariant=batch_invariant, proposal_vocab=proposal_vocab)
     engine.info.eos_token_ids = (ENGINE_EOS,)  # the tokenizer's own EOS is outside V
     return engine
 
@@ -495,6 +495,29 @@ def test_local_engine_greedy_equals_target_greedy(small_engine):
         for s in range(32)
     ])
     assert all(r.token_ids == expected for r in results)
+
+
+# A draft whose vocabulary head keeps 4 of the 8 tokens (`proposal_vocab`): q = 0 on the
+# others, so the target's mass there comes only from the residual after a rejection; and a
+# request whose allowed tokens all lie outside the head still gets a proposal distribution.
+PRUNED_SETTINGS = {name: ENGINE_SETTINGS[name] for name in
+                   ("T=1.0", "top_p=0.9", "combined:T1.5,allowed,rep1.3,min_tokens")}
+PRUNED_SETTINGS["allowed outside the head"] = dict(allowed_token_ids=[4, 5, 7], ignore_eos=True,
+                                                   max_tokens=L)
+_PRUNED: dict = {}
+
+
+def pruned_engine(pair):
+    if "engine" not in _PRUNED:
+        _PRUNED["engine"] = _small_engine(pair, batch_invariant=False, proposal_vocab=4)
+    return _PRUNED["engine"]
+
+
+def test_draft_with_a_pruned_vocabulary_is_exact(small_pair):
+    engine = pruned_engine(small_pair)
+    assert engine.draft.proposal_vocab == 4  # ids 0..3: the tokenizer's specials lie above V
+    ps = run_engine(engine, PRUNED_SETTINGS, tag="draft vocabulary 4/8, ")
+    assert min(ps.values()) > ALPHA, ps
 
 
 def test_one_sampler_with_and_without_speculation(small_pair):

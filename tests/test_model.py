@@ -53,6 +53,28 @@ def test_forward_matches_transformers_llama_with_rope_scaling(tmp_path, tied):
     torch.testing.assert_close(ours, _hf_logits(tmp_path, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_a_pruned_vocabulary_head_keeps_the_lowest_ids_and_the_special_tokens(tiny_pair):
+    """proposal_vocab: the kept rows' logits are the whole head's, the rest are
+    OUTSIDE_HEAD_LOGIT, and the head matmul (what the calibration times) is that much smaller."""
+    from specdec.model import OUTSIDE_HEAD_LOGIT
+    from specdec.vocab import proposal_ids
+
+    draft = tiny_pair[0]
+    ids = _prompt(20, vocab=1000)
+    kept = proposal_ids(draft, 1000, 151_936)
+    assert kept[:1000] == list(range(1000))
+    assert {151_643, 151_645} <= set(kept)  # <|endoftext|> and <|im_end|> can end a proposal
+    whole = ModelRunner(draft, dtype="float32").extend([("r", ids, 3)])[0]
+    runner = ModelRunner(draft, dtype="float32", proposal_vocab=1000)
+    pruned = runner.extend([("r", ids, 3)])[0]
+    assert runner.proposal_vocab == len(kept) and pruned.shape == whole.shape
+    torch.testing.assert_close(pruned[:, kept], whole[:, kept], atol=1e-5, rtol=1e-5)
+    outside = torch.ones(whole.shape[1], dtype=torch.bool)
+    outside[kept] = False
+    assert (pruned[:, outside] == OUTSIDE_HEAD_LOGIT).all()
+    assert f"{len(kept)}x64" in runner.calibration()["kernels"]
+
+
 def test_missing_weight_is_named(tiny_pair, tmp_path):
     import shutil
 

@@ -136,6 +136,13 @@ from test_exactness import (  # noqa: E402
 def small_engine(tmp_path_factory, tokenizer_dir):
     return small_engine_for(tmp_path_factory, tokenizer_dir)  # the one test_exactness uses
 
+
+@pytest.fixture
+def small_pair(tmp_path_factory, tokenizer_dir):
+    from test_exactness import small_pair_dirs
+
+    return small_pair_dirs(tmp_path_factory, tokenizer_dir)
+
 ENGINE_MUTANTS = [m for m in MUTANTS if m.module is rounds]
 
 
@@ -146,3 +153,15 @@ def test_mutant_is_detected_through_local_engine(mutant: Mutant, monkeypatch, sm
     p = run_engine(small_engine, {mutant.setting: ENGINE_SETTINGS[mutant.setting]},
                    tag=f"MUTANT {mutant.name} ")[mutant.setting]
     assert p < ALPHA, f"mutation not detected through LocalEngine: p = {p:.3g}"
+
+
+def test_a_wrong_residual_is_detected_with_a_pruned_draft(monkeypatch, small_pair):
+    """The pruned-vocabulary exactness test can fail: with q = 0 on half the vocabulary, a
+    residual drawn from p instead of max(0, p - q) shows."""
+    from test_exactness import PRUNED_SETTINGS, pruned_engine
+
+    engine = pruned_engine(small_pair)
+    mutant = next(m for m in MUTANTS if m.name == "residual_is_p")
+    mutate(monkeypatch, mutant.module, mutant.function, mutant.original, mutant.replacement)
+    p = run_engine(engine, {"T=1.0": PRUNED_SETTINGS["T=1.0"]}, tag="MUTANT residual_is_p, pruned draft ")["T=1.0"]
+    assert p < ALPHA, f"mutation not detected with a pruned draft: p = {p:.3g}"
