@@ -1,4 +1,4 @@
-"""Facts about a model's vocabulary that the request loop needs."""
+"""Facts about a model's vocabulary that the request loop and a draft's pruned head need."""
 
 from __future__ import annotations
 
@@ -10,15 +10,20 @@ def eos_token_ids(model_dir: str | Path, tokenizer) -> tuple[int, ...]:
     """Every id that ends a sequence: the tokenizer's EOS plus the model's generation
     config's (Qwen2.5 instruct models end turns with <|im_end|> and text with
     <|endoftext|>)."""
-    ids: set[int] = set()
+    ids = _config_eos_ids(model_dir)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def _config_eos_ids(model_dir: str | Path) -> set[int]:
+    ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
         path = Path(model_dir) / name
         if path.exists():
             value = json.loads(path.read_text()).get("eos_token_id")
             ids.update([value] if isinstance(value, int) else value or [])
-    return tuple(sorted(ids))
+    return ids
 
 
 def proposal_ids(model_dir: str | Path, size: int, vocab_size: int) -> list[int]:
@@ -37,9 +42,5 @@ def proposal_ids(model_dir: str | Path, size: int, vocab_size: int) -> list[int]
     tokenizer_file = Path(model_dir) / "tokenizer.json"
     if tokenizer_file.exists():
         ids.update(int(t["id"]) for t in json.loads(tokenizer_file.read_text()).get("added_tokens", []))
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.exists():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            ids.update([value] if isinstance(value, int) else value or [])
+    ids |= _config_eos_ids(model_dir)
     return sorted(i for i in ids if 0 <= i < vocab_size)
