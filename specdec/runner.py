@@ -101,11 +101,13 @@ def choose_format(shapes: dict[tuple[int, int], int], device, batch_invariant: b
     return best, estimates
 
 
-def head_ids_for(model_dir, proposal_vocab: int | None) -> list[int] | None:
-    """The vocabulary head rows a runner keeps: all (None), or a draft's proposal vocabulary."""
-    if proposal_vocab is None:
-        return None
-    return proposal_ids(model_dir, proposal_vocab, ModelConfig.from_dir(model_dir).vocab_size)
+def planned_weights(model_dir, tp_size: int = 1, proposal_vocab: int | None = None
+                    ) -> tuple[list[int] | None, dict[tuple[int, int], int]]:
+    """What a rank will load, before loading it: the vocabulary head rows it keeps (None:
+    all; else a draft's proposal vocabulary) and its matmul shapes (matmul_shapes)."""
+    config = ModelConfig.from_dir(model_dir)
+    head = None if proposal_vocab is None else proposal_ids(model_dir, proposal_vocab, config.vocab_size)
+    return head, matmul_shapes(config, tp_size, head and len(head))
 
 
 def resolve_format(model_dir, dtype, device, batch_invariant: bool, tp_size: int = 1,
@@ -115,8 +117,7 @@ def resolve_format(model_dir, dtype, device, batch_invariant: bool, tp_size: int
     fmt = parse_format(dtype)
     if fmt != "auto":
         return fmt
-    head = head_ids_for(model_dir, proposal_vocab)
-    shapes = matmul_shapes(ModelConfig.from_dir(model_dir), tp_size, head and len(head))
+    _, shapes = planned_weights(model_dir, tp_size, proposal_vocab)
     return choose_format(shapes, device, batch_invariant)[0]
 
 
@@ -204,8 +205,7 @@ class ModelRunner:
                  proposal_vocab: int | None = None):
         self.model_dir = Path(model_dir)  # a model folder: callers resolve names first
         tp = tp or TensorParallel()
-        head = head_ids_for(self.model_dir, proposal_vocab)
-        shapes = matmul_shapes(ModelConfig.from_dir(self.model_dir), tp.size, head and len(head))
+        head, shapes = planned_weights(self.model_dir, tp.size, proposal_vocab)
         fmt, formats_ms = parse_format(dtype), {}
         if fmt == "auto":
             fmt, formats_ms = choose_format(shapes, device, batch_invariant)
