@@ -19,6 +19,11 @@ it bitwise for every candidate on random weights of the model's own shapes and d
 times the candidates. Invariant mode uses the cheapest candidate that passed; standard mode
 the cheapest of all. Results are cached per CPU / torch / shape / threads, because timing the
 151,936-row vocabulary head costs seconds.
+
+Timing streams the weights from memory, as a forward pass does: each call reads another copy
+of the matrix, and the copies together are twice the last-level cache. Timed in a loop on
+one copy, a matrix that fits the cache (all but the largest on a CPU with a 260 MiB L3) is
+read at cache speed, and the calibration would call a decode half as costly as it is.
 """
 
 from __future__ import annotations
@@ -51,7 +56,10 @@ PROFILE_ROWS = (1, 5, 16)
 COST_ROWS = PROFILE_ROWS + (64,)
 # Row counts searched for a padded kernel's invariant counts; longer inputs are cut.
 PAD_SEARCH_ROWS = 24
-CALIBRATION_VERSION = 5  # 5: the one-row-at-every-place check
+CALIBRATION_VERSION = 6  # 6: times weights streamed from memory, not from the cache
+# Where sysfs does not say how large the last-level cache is.
+DEFAULT_LLC_BYTES = 64 << 20
+MAX_COPIES = 512  # tiny matrices (tests) stay cached whatever we do; bound the copies
 
 
 @dataclass(frozen=True)
@@ -194,8 +202,8 @@ class ShapeCalibration:
         return Kernel.parse(name, self.pad_to.get(name.split(":")[1], ()))
 
 
-def _random_weight(shape, fmt: str, gen: torch.Generator) -> Weight:
-    return Weight(torch.randn(shape, generator=gen) * 0.02, fmt)
+def _random_matrix(shape, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen) * 0.02
 
 
 def is_invariant(kernel: Kernel, weight: Weight, max_rows: int, gen: torch.Generator) -> bool:
@@ -226,17 +234,40 @@ def is_invariant(kernel: Kernel, weight: Weight, max_rows: int, gen: torch.Gener
     return True
 
 
-def time_op(op: str, weight: Weight, rows: int, min_s: float = 0.03) -> float:
-    """ms of one unblocked call with `rows` rows: the fastest of at least 5, since other
-    work on the machine (the other pool calibrating) only ever adds time."""
-    fmt, data, scales = weight.format, weight.data, weight.scales
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache sysfs lists (the shared L3 on x86), or DEFAULT_LLC_BYTES."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=DEFAULT_LLC_BYTES)
+
+
+def streamed_copies(weight: Weight, source: torch.Tensor, llc_bytes: int | None = None) -> list[Weight]:
+    """`weight` and enough copies of it (made from `source`, its float matrix) that reading
+    them in turn never finds one in the last-level cache: together twice its size."""
+    llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    n = min(MAX_COPIES, -(-2 * llc // max(weight.nbytes, 1)))
+    return [weight] + [Weight(source.clone(), weight.format) for _ in range(n - 1)]
+
+
+def time_op(op: str, weights: Sequence[Weight], rows: int, min_s: float = 0.03) -> float:
+    """ms of one unblocked call with `rows` rows, each call on the next of `weights` (copies
+    of one matrix, streamed_copies): the fastest of at least 5 and of one pass over the
+    copies, since other work on the machine (the other pool calibrating) only adds time."""
+    fmt = weights[0].format
     kernel = Kernel(fmt, op, None)
-    x = torch.randn(rows, weight.shape[1]).to(compute_dtype(fmt))
-    apply(kernel, x, data, scales)  # warm-up
+    x = torch.randn(rows, weights[0].shape[1]).to(compute_dtype(fmt))
+    apply(kernel, x, weights[-1].data, weights[-1].scales)  # warm-up (the code, not the data)
     times, spent = [], 0.0
-    while len(times) < 5 or spent < min_s:
+    while len(times) < max(5, len(weights)) or spent < min_s:
+        w = weights[len(times) % len(weights)]
         start = time.perf_counter()
-        apply(kernel, x, data, scales)
+        apply(kernel, x, w.data, w.scales)
         times.append(time.perf_counter() - start)
         spent += times[-1]
     return min(times) * 1e3
@@ -261,14 +292,16 @@ def calibrate_shape(shape: tuple[int, int], fmt: str, *, check_rows: int = 32) -
     """Times each operation once per row count it is ever called with; a blocked kernel at
     r rows costs ceil(r / B) calls of B rows, a padded one its padded calls."""
     gen = torch.Generator().manual_seed(0)
-    weight = _random_weight(shape, fmt, gen)
+    source = _random_matrix(shape, gen)
+    weight = Weight(source, fmt)
+    copies = streamed_copies(weight, source)
     ms, inv, pads = {}, {}, {}
     for op in ops_for(fmt):
         pad_to = pads[op] = good_row_counts(op, weight, gen)
         candidates = [Kernel(fmt, op, b) for b in BLOCKS] + [Kernel(fmt, op, None, tuple(pad_to))]
         needed = {*COST_ROWS, *(b for b in BLOCKS if b)}
         needed |= {m for r in COST_ROWS for m in padded_calls(r, pad_to)}
-        base = {r: time_op(op, weight, r) for r in sorted(needed)}
+        base = {r: time_op(op, copies, r) for r in sorted(needed)}
         for k in candidates:
             if k.pad_to:
                 ms[k.name] = [sum(base[m] for m in padded_calls(r, k.pad_to)) for r in COST_ROWS]

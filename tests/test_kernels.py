@@ -69,3 +69,29 @@ def test_calibration_times_rows_beyond_the_choice_profile_for_the_k_policy():
     b16 = cal.ms["float32:linear:b16"]
     assert b16[-1] == pytest.approx(-(-max(kernels.COST_ROWS) // 16) * b16[kernels.PROFILE_ROWS.index(16)])
     assert cal.cost(cal.fastest) == kernels.profile_sum(cal.ms[cal.fastest])
+
+
+@pytest.mark.parametrize("fmt", kernels.FORMATS)
+def test_timing_streams_copies_of_the_weight_that_do_not_fit_the_cache(monkeypatch, fmt):
+    """A forward pass reads each matrix from memory; timing one matrix in a loop would read
+    it from the last-level cache. The copies are distinct memory, hold the same matrix,
+    together exceed twice the cache, and the timing loop reads each of them in turn."""
+    gen = torch.Generator().manual_seed(0)
+    source = torch.randn(64, 96, generator=gen) * 0.02
+    weight = Weight(source, fmt)
+    llc = 40 * weight.nbytes
+    copies = kernels.streamed_copies(weight, source, llc_bytes=llc)
+    assert sum(c.nbytes for c in copies) >= 2 * llc
+    x = torch.randn(3, 96).to(kernels.compute_dtype(fmt))
+    for c in copies[1:]:
+        assert torch.equal(c(x), weight(x))
+    if fmt != "float16":  # FBGEMM's packing is opaque
+        assert len({c.data.data_ptr() for c in copies}) == len(copies)
+
+    seen = []
+    real_op = kernels._op
+    monkeypatch.setattr(kernels, "_op", lambda op, x, data, scales: (seen.append(id(data)),
+                                                                     real_op(op, x, data, scales))[1])
+    kernels.time_op(kernels.ops_for(fmt)[0], copies, rows=2, min_s=0.0)
+    assert {id(c.data) for c in copies} <= set(seen[1:])  # every copy timed, after the warm-up
+    assert kernels.last_level_cache_bytes() > 0
