@@ -28,6 +28,7 @@ read at cache speed, and the calibration would call a decode half as costly as i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -202,10 +203,6 @@ class ShapeCalibration:
         return Kernel.parse(name, self.pad_to.get(name.split(":")[1], ()))
 
 
-def _random_matrix(shape, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(shape, generator=gen) * 0.02
-
-
 def is_invariant(kernel: Kernel, weight: Weight, max_rows: int, gen: torch.Generator) -> bool:
     """Bitwise: each row's output equals the same row computed alone, at every place of a
     call and for the row counts a GEMM library treats differently. A blocked kernel's calls
@@ -234,6 +231,7 @@ def is_invariant(kernel: Kernel, weight: Weight, max_rows: int, gen: torch.Gener
     return True
 
 
+@functools.cache
 def last_level_cache_bytes() -> int:
     """The largest CPU cache sysfs lists (the shared L3 on x86), or DEFAULT_LLC_BYTES."""
     sizes = []
@@ -292,7 +290,7 @@ def calibrate_shape(shape: tuple[int, int], fmt: str, *, check_rows: int = 32) -
     """Times each operation once per row count it is ever called with; a blocked kernel at
     r rows costs ceil(r / B) calls of B rows, a padded one its padded calls."""
     gen = torch.Generator().manual_seed(0)
-    source = _random_matrix(shape, gen)
+    source = torch.randn(shape, generator=gen) * 0.02
     weight = Weight(source, fmt)
     copies = streamed_copies(weight, source)
     ms, inv, pads = {}, {}, {}
