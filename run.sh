@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point that sets itself up on a fresh machine (Python 3.11 + pip is enough):
 #   ./run.sh serve    install, fetch + convert the default model pair once, `serve run ray_config.yaml`
+#                     (with the Ray / Serve settings of cluster/cpu_node.env)
 #   ./run.sh test     install (with test extras), fetch the pair, run the test suite
 #   ./run.sh setup    only the installation steps
 # Environment: SPECDEC_VENV (default .venv), SPECDEC_TORCH (default torch==2.13.0, the CPU
@@ -24,6 +25,11 @@ case "${1:-}" in
   serve)
     setup serve
     shift
+    # Ray / Serve settings for a node whose CPUs run the models; a value set in the shell wins
+    while IFS='=' read -r key value; do
+      case "$key" in ''|'#'*) continue ;; esac
+      [ -n "${!key+set}" ] || export "$key=$value"
+    done < cluster/cpu_node.env
     exec "$VENV/bin/serve" run ray_config.yaml "$@"
     ;;
   test)
@@ -36,7 +42,7 @@ case "${1:-}" in
     fi
     ;;
   *)
-    sed -n 2,9p "$0"
+    sed -n 2,10p "$0"
     exit 2
     ;;
 esac

@@ -1,5 +1,6 @@
 """The service's speed (docs/serve_speed.md), in one run: start `serve run <config>`,
-time it to the first answer, then run the benchmark's shipped-configuration cells over HTTP
+time it to the first answer (with the environment of `./run.sh serve`, cluster/cpu_node.env),
+then run the benchmark's shipped-configuration cells over HTTP
 (benchmarks.shipped.measure_cells: 12 HumanEval prompts one at a time and 8 at once, 64
 tokens, target-only vs the configured speculation, greedy and T=0.6 / top_p=0.9) and set
 them beside the in-process figures of a benchmark run (`--in-process`, its results.json).
@@ -24,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from cluster.node_env import cpu_node_env, read_env_file  # noqa: E402
 
 
 def first_answer(url: str, deadline_s: float, server: subprocess.Popen) -> float:
@@ -61,13 +64,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     serve_bin = Path(sys.executable).with_name("serve")
+    env = cpu_node_env()  # what ./run.sh serve sets
     log = open(out / "serve_run.log", "w")
     started = time.monotonic()
     server = subprocess.Popen([str(serve_bin), "run", args.config], cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+                              stderr=subprocess.STDOUT, start_new_session=True,
+                              env=env)
     try:
         ttfa = first_answer(args.url, args.startup_deadline_s, server)
         startup = {"config": args.config, "serve_run_to_first_answer_s": round(ttfa, 1),
+                   "node_env": {k: env[k] for k in read_env_file()},
                    "note": "default pair already converted in the cache; Ray start, replica "
                            "start, model load (with the kernel calibration, cached per "
                            "machine) and one 1-token completion"}
@@ -124,6 +130,7 @@ def markdown(report: dict) -> list[str]:
     lines = [f"# Through the service ({report['config']})", "",
              f"- machine: {report['machine']}",
              f"- serve run to first answer: {report['startup']['serve_run_to_first_answer_s']} s",
+             f"- Ray / Serve environment: {report['startup'].get('node_env', 'Ray defaults')}",
              f"- {report['max_tokens']} tokens per request", "",
              "| setting | c | mode | tok/s | vs target-only | acceptance | mean K | in process tok/s | service / in process |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from cluster.localcluster import _kill, _session_processes, tiny_app_args
+from cluster.node_env import read_env_file
 from specdec.net import free_port
 
 pytestmark = pytest.mark.ray
@@ -78,7 +79,7 @@ def deployed(request, tiny_pair):
     before = token.read_text() if token.exists() else None
     temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths
     ports = {name: free_port() for name in ("gcs", "dashboard", "agent", "metrics", "http")}
-    env = os.environ | {
+    env = os.environ | read_env_file() | {  # the README's `. cluster/cpu_node.env`
         "HOME": str(home),
         "RAY_AUTH_MODE": "token",  # the README's `export RAY_AUTH_MODE=token`
         "RAY_USAGE_STATS_ENABLED": "0",
