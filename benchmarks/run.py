@@ -306,7 +306,7 @@ def run(args) -> dict:
     cells = plan_cells(args, settings)
     n_guard = (1 + len(args.guard_arms)) if args.guard_n else 0
     n_hf = 2 * len(args.hf_settings.split(",")) if args.hf_prompts and not args.url else 0
-    n_shipped = 13 * len(args.shipped_settings.split(",")) if args.shipped and not args.url else 0
+    n_shipped = 11 * len(args.shipped_settings.split(",")) if args.shipped and not args.url else 0
     progress = Progress(len(cells) + n_guard + n_hf + n_shipped + (1 if args.warmup else 0),
                         enabled=not args.no_progress)
     results, outputs_by_cell = [], {}

@@ -55,18 +55,28 @@ def _row(outs, stats, **keys) -> dict:
                 texts=[o.token_ids if o.token_ids is not None else o.text for o in outs])
 
 
+def other_mode(default_drafter_invariant: bool) -> tuple[str, dict]:
+    """The seeded mode a deployment does not default to: its cell name and request field."""
+    if default_drafter_invariant:
+        return "standard", {"drafter_invariant": False}
+    return "drafter-invariant", {"drafter_invariant": True}
+
+
 def measure_cells(backend, prompt_ids, settings, *, single: int, batch: int, max_tokens: int,
-                  seed0: int, invariant: bool, adaptive_k: bool, drafter_invariant: bool = True,
-                  progress=None) -> list[dict]:
-    """Target-only and speculative (the configured K) cells, one at a time (`single`
-    prompts) and in one batch of `batch`; drafter-invariant too at concurrency 1 for
-    sampled settings. `backend`: in process or over HTTP (benchmarks.backends)."""
+                  seed0: int, invariant: bool, adaptive_k: bool, drafter_invariant: bool,
+                  other: bool = True, progress=None) -> list[dict]:
+    """Target-only and speculative cells (requests leave K and the mode to the deployment,
+    whose default mode is `drafter_invariant`), one at a time (`single` prompts) and in one
+    batch of `batch`; with `other`, sampled settings also run the other mode (standard or
+    drafter-invariant) at both concurrencies. `backend`: in process or over HTTP
+    (benchmarks.backends)."""
     rows = []
     for s in settings:
         for c, n in ((1, single), (batch, batch)):
             cells = [("target-only", 0, None), ("speculative", None, None)]
-            if drafter_invariant and c == 1 and not s.greedy:
-                cells.append(("drafter-invariant", None, {"drafter_invariant": True}))
+            if other and not s.greedy:
+                name, field = other_mode(drafter_invariant)
+                cells.append((name, None, field))
             for mode, k, extra in cells:
                 reqs = _requests(prompt_ids[:n], s.params, k=k, max_tokens=max_tokens,
                                  seed0=seed0, extra=extra)
@@ -75,7 +85,9 @@ def measure_cells(backend, prompt_ids, settings, *, single: int, batch: int, max
                 outs, stats = backend.run(reqs, c, progress=cb)
                 rows.append(_row(outs, stats, batch_invariant=invariant, setting=s.key,
                                  setting_label=s.label, concurrency=c, mode=mode,
-                                 k="adaptive" if k is None and adaptive_k else k))
+                                 k="adaptive" if k is None and adaptive_k else k,
+                                 drafter_invariant=(extra or {}).get("drafter_invariant",
+                                                                     drafter_invariant)))
     return rows
 
 
@@ -108,7 +120,8 @@ def compare_proposal_vocab(backend, prompt_ids, settings, *, single: int, max_to
                           len(reqs) * max_tokens) if progress else None
             outs, stats = backend.run(reqs, 1, progress=cb)
             rows.append(_row(outs, stats, setting=s.key, setting_label=s.label, concurrency=1,
-                             proposal_vocab=other.proposal_vocab or "whole"))
+                             proposal_vocab=other.proposal_vocab or "whole",
+                             drafter_invariant=info.default_drafter_invariant))
     finally:
         engine.draft, backend.draft, engine.info = shipped, shipped, info
     return rows
@@ -125,7 +138,8 @@ def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *,
     backend = LocalBackend(draft_dir, target_dir, dtype=cfg.target.dtype,
                            batch_invariant=cfg.target.batch_invariant, adaptive_k=cfg.adaptive_k,
                            num_speculative_tokens=cfg.num_speculative_tokens,
-                           proposal_vocab=cfg.draft.proposal_vocab)
+                           proposal_vocab=cfg.draft.proposal_vocab,
+                           drafter_invariant=cfg.drafter_invariant)
     load_s = time.perf_counter() - t0
     engine = backend.engine
     calibration = {"draft": engine.draft.calibration(), "target": engine.target.calibration(),
@@ -138,7 +152,8 @@ def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *,
             runner.set_batch_invariant(invariant)
         rows += measure_cells(backend, prompt_ids, settings, single=single, batch=batch,
                               max_tokens=max_tokens, seed0=seed0, invariant=invariant,
-                              adaptive_k=cfg.adaptive_k, drafter_invariant=invariant == shipped_inv,
+                              adaptive_k=cfg.adaptive_k, drafter_invariant=cfg.drafter_invariant,
+                              other=invariant == shipped_inv,
                               progress=progress)
     for runner in (engine.draft, engine.target):
         runner.set_batch_invariant(shipped_inv)
@@ -155,6 +170,7 @@ def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *,
                        "proposal_vocab": engine.draft.proposal_vocab,
                        "batch_invariant": shipped_inv, "adaptive_k": cfg.adaptive_k,
                        "num_speculative_tokens": cfg.num_speculative_tokens,
+                       "drafter_invariant": cfg.drafter_invariant,
                        "max_tokens": max_tokens, "single_prompts": single, "batch": batch},
             "engine": describe, "calibration": calibration, "rows": rows,
             "proposal_vocab_rows": vocab_rows}
@@ -169,13 +185,14 @@ def vocab_ratios(vocab_rows: list[dict], rows: list[dict], shipped_inv: bool) ->
         r["speedup"] = r["tokens_per_s"] / cell("target-only")["tokens_per_s"]
         r["vs_shipped_draft"] = r["tokens_per_s"] / cell("speculative")["tokens_per_s"]
         r["shipped_acceptance_rate"] = cell("speculative")["acceptance_rate"]
-        if r["setting"] == "greedy":
+        if r["setting"] == "greedy" or r["drafter_invariant"]:
             base = cell("target-only")["texts"]
-            r["greedy_identical"] = sum(a == b for a, b in zip(r["texts"], base))
+            r["same_text"] = sum(a == b for a, b in zip(r["texts"], base))
 
 
 def ratios(rows: list[dict], shipped_inv: bool) -> None:
-    """speedup (vs target-only of the same cell), greedy text identical, vs the other mode."""
+    """speedup (vs target-only of the same cell), texts equal to target-only's (greedy and
+    drafter-invariant cells), vs the other batch-invariance setting."""
     def find(**keys):
         return next((r for r in rows if all(r[k] == v for k, v in keys.items())), None)
 
@@ -185,8 +202,9 @@ def ratios(rows: list[dict], shipped_inv: bool) -> None:
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         if r["decode_tokens_per_s"] and base["decode_tokens_per_s"]:
             r["decode_speedup"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-        if r["setting"] == "greedy" and r["mode"] == "speculative":
-            r["greedy_identical"] = sum(a == b for a, b in zip(r["texts"], base["texts"]))
+        if r["mode"] != "target-only" and (r["setting"] == "greedy" or r["drafter_invariant"]):
+            # greedy and drafter-invariant texts must be the target-only texts of their seeds
+            r["same_text"] = sum(a == b for a, b in zip(r["texts"], base["texts"]))
         other = find(batch_invariant=not r["batch_invariant"], setting=r["setting"],
                      concurrency=r["concurrency"], mode=r["mode"])
         if r["batch_invariant"] == shipped_inv and other:
@@ -199,7 +217,9 @@ def markdown(section: dict, hf: dict | None = None) -> list[str]:
              f"- weights: draft {cal['draft']['format']}, target {cal['target']['format']} "
              f"(configured `{cfg['draft_dtype']}` / `{cfg['dtype']}`); batch_invariant "
              f"{cfg['batch_invariant']}; K {'adaptive up to ' if cfg['adaptive_k'] else ''}"
-             f"{cfg['num_speculative_tokens']}; {cfg['max_tokens']} tokens per request, "
+             f"{cfg['num_speculative_tokens']}; requests that leave the mode unset run "
+             f"{'drafter-invariant' if cfg.get('drafter_invariant') else 'standard'} "
+             f"(`speculative`); {cfg['max_tokens']} tokens per request, "
              f"{cfg['single_prompts']} prompts one at a time, {cfg['batch']} in one batch",
              f"- target kernels: {cal['target']['kernels']}",
              f"- target matmul estimate (ms at rows): {cal['target']['forward_ms']}; invariance "
@@ -207,7 +227,7 @@ def markdown(section: dict, hf: dict | None = None) -> list[str]:
              f"(ms at rows {'/'.join(map(str, cal['target']['forward_ms']))}): {cal['target'].get('formats_ms')}",
              f"- adaptive-K cost table: {cal['k_costs']}", "",
              "| invariant | setting | c | mode | tok/s | vs target-only | decode vs target-only "
-             "| acceptance | mean K | vs other mode | greedy identical |",
+             "| acceptance | mean K | vs batch_invariant flipped | text = target-only |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in section["rows"]:
         def f(x, fmt="{:.2f}"):
@@ -217,7 +237,7 @@ def markdown(section: dict, hf: dict | None = None) -> list[str]:
             f"{r['tokens_per_s']:.2f} | {f(r.get('speedup'), '{:.2f}x')} | "
             f"{f(r.get('decode_speedup'), '{:.2f}x')} | {f(r['acceptance_rate'])} | "
             f"{f(r['mean_k'])} | {f(r.get('vs_other_mode'), '{:.2f}x')} | "
-            f"{'' if 'greedy_identical' not in r else str(r['greedy_identical']) + '/' + str(r['requests'])} |")
+            f"{'' if 'same_text' not in r else str(r['same_text']) + '/' + str(r['requests'])} |")
     if section.get("proposal_vocab_rows"):
         lines += ["", f"Draft vocabulary head (shipped: {cfg.get('proposal_vocab') or 'whole'}), "
                   "speculative at c=1, against the shipped draft on the same engine:", "",

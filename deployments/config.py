@@ -67,6 +67,12 @@ class CoordinatorConfig(BaseModel):
     # the pools' calibrations when the coordinator starts. Pin it to make standard-mode seeded
     # texts reproducible across deployments and machines (drafter-invariant texts are anyway).
     k_costs: dict | None = None
+    # The sampling mode of requests that do not set drafter_invariant. True: Gumbel-coupled,
+    # a seed gives the request's target-only text for any K, draft or load, so adaptive K
+    # may also weigh load (K = 0 where a busy, compute-bound replica cannot gain). False:
+    # standard rejection sampling, which accepts a little more but whose seeded text depends
+    # on the K sequence, so K may never follow load. docs/benchmark.md measures both.
+    drafter_invariant: bool = True
     # A lost draft replica: standard-mode requests retry (another replica, or the
     # replacement Serve starts) for up to this long, then run target-only rounds; that keeps
     # a seeded text unchanged whenever a replica is back in time. Drafter-invariant requests

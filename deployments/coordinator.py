@@ -72,6 +72,7 @@ class Coordinator:
             max_context=min(_config(d)["max_position_embeddings"] for d in (draft_dir, target_dir)),
             eos_token_ids=eos_token_ids(target_dir, self.tokenizer),
             default_num_speculative_tokens=self.config.num_speculative_tokens,
+            default_drafter_invariant=self.config.drafter_invariant,
         )
         self.max_context = self.info.max_context
         self._k_costs_lock = asyncio.Lock()

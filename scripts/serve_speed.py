@@ -110,7 +110,8 @@ def measure(args, startup: dict) -> dict:
     settings = [parse_setting(x) for x in args.settings.split(",")]
     rows = measure_cells(backend, ids, settings, single=args.prompts, batch=args.batch,
                          max_tokens=args.max_tokens, seed0=1234,
-                         invariant=cfg.target.batch_invariant, adaptive_k=cfg.adaptive_k)
+                         invariant=cfg.target.batch_invariant, adaptive_k=cfg.adaptive_k,
+                         drafter_invariant=cfg.drafter_invariant)
     ratios(rows, cfg.target.batch_invariant)
     for r in rows:
         del r["texts"]
@@ -132,15 +133,18 @@ def markdown(report: dict) -> list[str]:
              f"- serve run to first answer: {report['startup']['serve_run_to_first_answer_s']} s",
              f"- Ray / Serve environment: {report['startup'].get('node_env', 'Ray defaults')}",
              f"- {report['max_tokens']} tokens per request", "",
-             "| setting | c | mode | tok/s | vs target-only | acceptance | mean K | in process tok/s | service / in process |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| setting | c | mode | tok/s | vs target-only | acceptance | mean K | in process tok/s "
+             "| service / in process | text = target-only |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         def f(x, fmt="{:.2f}"):
             return "" if x is None else fmt.format(x)
+        same = f"{r['same_text']}/{r['requests']}" if "same_text" in r else ""
         lines.append(f"| {r['setting_label']} | {r['concurrency']} | {r['mode']} | "
                      f"{r['tokens_per_s']:.2f} | {f(r.get('speedup'), '{:.2f}x')} | "
                      f"{f(r['acceptance_rate'])} | {f(r['mean_k'])} | "
-                     f"{f(r.get('in_process_tokens_per_s'))} | {f(r.get('vs_in_process'), '{:.2f}x')} |")
+                     f"{f(r.get('in_process_tokens_per_s'))} | {f(r.get('vs_in_process'), '{:.2f}x')} | "
+                     f"{same} |")
     return lines
 
 

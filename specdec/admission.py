@@ -34,11 +34,15 @@ class ModelInfo:
     default_num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     # Cost table for adaptive K (specdec.k_policy); None: requests use the default K as is.
     k_costs: Costs | None = None
+    # The mode of requests that leave drafter_invariant unset (SamplingParams).
+    default_drafter_invariant: bool = False
 
 
 def admit(cls: type[Generation], request: GenerateRequest, info: ModelInfo) -> Generation:
     """Validate a request against the model and fix its effective seed."""
     params = request.sampling_params
+    if params.drafter_invariant is None:
+        params = params.model_copy(update={"drafter_invariant": info.default_drafter_invariant})
     if request.prompt_token_ids is not None:
         prompt_ids = list(request.prompt_token_ids)
     else:

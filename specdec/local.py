@@ -35,6 +35,7 @@ class LocalEngine:
         batch_invariant: bool = False,
         adaptive_k: bool = False,
         proposal_vocab: int | None = None,
+        drafter_invariant: bool = False,
     ):
         kw = dict(dtype=dtype, max_cache_tokens=max_cache_tokens, batch_invariant=batch_invariant)
         self.draft = ModelRunner(draft_dir, proposal_vocab=proposal_vocab, **kw)
@@ -46,6 +47,7 @@ class LocalEngine:
             max_context=min(self.draft.max_context, self.target.max_context),
             eos_token_ids=eos_token_ids(target_dir, tokenizer),
             default_num_speculative_tokens=num_speculative_tokens,
+            default_drafter_invariant=drafter_invariant,  # for requests that leave it unset
             # K per round from each request's acceptance and the runners' calibrated costs
             k_costs=Costs.from_calibrations(self.draft.calibration(), self.target.calibration())
             if adaptive_k else None,

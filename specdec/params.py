@@ -90,11 +90,14 @@ class SamplingParams(BaseModel):
     the draft's. "raw" is INCORRECT on purpose: the target is scored with plain
     softmax(logits) (temperature 1, no top-k/top-p/penalties), as vLLM did before PR 10198;
     the output distribution is then wrong. Kept only so the benchmark can measure it."""
-    drafter_invariant: bool = Field(
-        False, description="Gumbel-max coupling: same seeded text for any draft and K."
+    drafter_invariant: bool | None = Field(
+        None, description="Gumbel-max coupling: same seeded text for any draft and K. "
+        "Omitted: the deployment's default (true in the shipped configs)."
     )
     """Gumbel-max coupling: a seeded request gives the same text for any draft model and K,
-    equal to target-only sampling with that seed (at some cost in acceptance)."""
+    equal to target-only sampling with that seed; false: standard rejection sampling, whose
+    text also depends on the K sequence and the draft. None: the deployment's default
+    (admission fixes it, `specdec.admission`)."""
 
     # --- validation ---------------------------------------------------------------------
     @field_validator("n")

@@ -63,9 +63,10 @@ def run_draft(runner, calls: list[DraftCall]) -> list[Proposal]:
     ks = [c.num_tokens for c in calls]
     seeds = torch.tensor([c.seed for c in calls], dtype=torch.long)
     first_pos = torch.tensor([len(o) for o in outputs], dtype=torch.long)
-    gumbel = torch.tensor([c.sampling.params.drafter_invariant for c in calls], dtype=torch.bool)
+    # unset (None, a call built without admission): standard mode
+    gumbel = torch.tensor([bool(c.sampling.params.drafter_invariant) for c in calls], dtype=torch.bool)
     # q of proposal `step` of call i is row offsets[i] + step of q_rows (only standard mode)
-    keep_q = [k if not c.sampling.params.drafter_invariant else 0 for c, k in zip(calls, ks)]
+    keep_q = [0 if g else k for g, k in zip(gumbel.tolist(), ks)]
     offsets = torch.tensor(np.cumsum([0] + keep_q[:-1]), dtype=torch.long)
     wants_q = torch.tensor([k > 0 for k in keep_q], dtype=torch.bool)
     q_rows: torch.Tensor | None = None

@@ -90,19 +90,21 @@ def test_benchmark_smoke(tiny_pair, tmp_path):
         for c in (1, 2):
             for mode in ("target-only", "speculative"):
                 assert (inv, "greedy", c, mode) in modes
-    assert (True, "t0.6p0.9", 1, "drafter-invariant") in modes
+    # the shipped default mode is drafter-invariant; the standard mode runs beside it
+    assert shipped["config"]["drafter_invariant"] is True
+    assert {(True, "t0.6p0.9", c, "standard") for c in (1, 2)} <= modes
     for r in shipped["rows"]:
         assert r["tokens"] == r["requests"] * 6 and r["speedup"] > 0
-        if r["batch_invariant"] and r["setting"] == "greedy" and r["mode"] == "speculative":
-            assert r["greedy_identical"] == r["requests"]  # greedy speculative == target-only
+        if r["batch_invariant"] and r["mode"] == "speculative":
+            # greedy, and drafter-invariant sampled text: the target-only text of the seed
+            assert r["same_text"] == r["requests"], r
     # the shipped draft's pruned vocabulary head against the whole head, same engine
     assert shipped["config"]["proposal_vocab"] > 65536  # plus the special tokens
     vocab_rows = shipped["proposal_vocab_rows"]
     assert {(r["setting"], r["proposal_vocab"]) for r in vocab_rows} == {("greedy", "whole"), ("t0.6p0.9", "whole")}
     for r in vocab_rows:
         assert r["tokens"] == r["requests"] * 6 and r["vs_shipped_draft"] > 0
-        if r["setting"] == "greedy":
-            assert r["greedy_identical"] == r["requests"]
+        assert r["same_text"] == r["requests"]  # greedy, and the drafter-invariant default
 
     cells = report["cells"]
     keys = {(c["setting"], c["mode"], c["k"], c["concurrency"]) for c in cells}

@@ -61,6 +61,36 @@ def test_effective_seed_reproduces_an_unseeded_request(engine):
     assert replay.token_ids == first.token_ids
 
 
+def test_an_unset_mode_follows_the_deployment_default(engine):
+    """A request that leaves drafter_invariant unset gets the deployment's mode: under a
+    drafter-invariant default its seeded text is its target-only text at any K; under the
+    standard default, or asked for explicitly, the same seeds give other texts."""
+    from dataclasses import replace
+
+    from specdec.api_types import GenerateRequest
+    from specdec.generation import Generation
+
+    def texts(info, k, **extra):
+        engine.info = info
+        reqs = [{"prompt": PROMPT, "sampling_params": dict(
+            temperature=1.0, seed=s, max_tokens=12, ignore_eos=True, num_speculative_tokens=k,
+            **extra)} for s in range(6)]
+        return [r.token_ids for r in engine.generate(reqs)]
+
+    standard_default = engine.info
+    invariant_default = replace(standard_default, default_drafter_invariant=True)
+    try:
+        admitted = Generation.admit(GenerateRequest.model_validate({"prompt": PROMPT}), invariant_default)
+        assert admitted.params.drafter_invariant is True
+        target_only = texts(invariant_default, 0)
+        assert texts(invariant_default, 3) == target_only
+        assert texts(invariant_default, 3, drafter_invariant=False) != target_only
+        assert texts(standard_default, 3) != target_only
+        assert texts(standard_default, 3, drafter_invariant=True) == target_only
+    finally:
+        engine.info = standard_default
+
+
 def test_max_tokens_and_stop_conditions(engine):
     base = run(engine, temperature=0, max_tokens=20, ignore_eos=True)
     assert base.finish_reason == "length" and len(base.token_ids) == 20

@@ -39,6 +39,19 @@ def test_completion_and_seed_over_http(client):
     assert first.usage.completion_tokens <= 12
 
 
+def test_the_default_mode_gives_a_seed_its_target_only_text(client):
+    """The deployment's default (drafter-invariant): a seeded sampled completion is the
+    target-only completion of its seed; asking for standard sampling changes some texts."""
+    def texts(**extra):
+        return [client.completions.create(
+            model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=1.0, seed=seed,
+            extra_body={"ignore_eos": True, **extra}).choices[0].text for seed in range(4)]
+
+    target_only = texts(num_speculative_tokens=0)
+    assert texts() == target_only
+    assert texts(drafter_invariant=False) != target_only
+
+
 def test_chat_completion(client):
     reply = client.chat.completions.create(
         model="tiny",

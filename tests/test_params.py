@@ -79,7 +79,8 @@ def test_defaults_match_vllm():
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (16, 0, None, None)
     assert (p.stop, p.stop_token_ids, p.bad_words) == ([], [], [])
-    assert (p.num_speculative_tokens, p.target_probs, p.drafter_invariant) == (None, "processed", False)
+    # this project's fields: None = the deployment's default K and mode
+    assert (p.num_speculative_tokens, p.target_probs, p.drafter_invariant) == (None, "processed", None)
 
 
 def test_normalisations_follow_vllm():

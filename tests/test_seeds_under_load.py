@@ -404,6 +404,8 @@ def serve_compare(handle, n: int, n_background: int = 12, seed: int = 0) -> dict
     """N seeded requests one at a time, then all N at once beside `n_background` streaming
     requests of other lengths (so Serve's dynamic batches mix them)."""
     reqs = measured_requests(n, first_seed=9000)
+    for i, r in enumerate(reqs):  # both modes, whatever the deployment's default
+        r["sampling_params"]["drafter_invariant"] = i % 2 == 1
     alone = [handle.generate.remote(r).result().token_ids for r in reqs]
     rng = random.Random(seed)
     background = [background_request(rng) for _ in range(n_background)]

@@ -48,8 +48,9 @@ def test_stream_deltas_add_up_to_the_result(handle):
     assert all(d.finish_reason is None for d in deltas[:-1])
 
 
-def test_seeded_output_unchanged_beside_concurrent_requests(handle):
-    params = {"temperature": 0.8, "top_p": 0.95, "seed": 99, "max_tokens": 16, "ignore_eos": True}
+@pytest.mark.parametrize("mode", [{}, {"drafter_invariant": False}], ids=["default", "standard"])
+def test_seeded_output_unchanged_beside_concurrent_requests(handle, mode):
+    params = {"temperature": 0.8, "top_p": 0.95, "seed": 99, "max_tokens": 16, "ignore_eos": True, **mode}
     alone = generate(handle, **params)
     again = generate(handle, **params)
     others = [
