@@ -99,6 +99,12 @@ class SamplingParams(BaseModel):
     text also depends on the K sequence and the draft. None: the deployment's default
     (admission fixes it, `specdec.admission`)."""
 
+    @property
+    def gumbel_coupled(self) -> bool:
+        """Whether this request samples in drafter-invariant mode; unset counts as standard
+        (admission replaces it by the deployment's default before any round)."""
+        return bool(self.drafter_invariant)
+
     # --- validation ---------------------------------------------------------------------
     @field_validator("n")
     @classmethod

@@ -63,8 +63,7 @@ def run_draft(runner, calls: list[DraftCall]) -> list[Proposal]:
     ks = [c.num_tokens for c in calls]
     seeds = torch.tensor([c.seed for c in calls], dtype=torch.long)
     first_pos = torch.tensor([len(o) for o in outputs], dtype=torch.long)
-    # unset (None, a call built without admission): standard mode
-    gumbel = torch.tensor([bool(c.sampling.params.drafter_invariant) for c in calls], dtype=torch.bool)
+    gumbel = torch.tensor([c.sampling.params.gumbel_coupled for c in calls], dtype=torch.bool)
     # q of proposal `step` of call i is row offsets[i] + step of q_rows (only standard mode)
     keep_q = [0 if g else k for g, k in zip(gumbel.tolist(), ks)]
     offsets = torch.tensor(np.cumsum([0] + keep_q[:-1]), dtype=torch.long)

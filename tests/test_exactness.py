@@ -139,7 +139,7 @@ def _simulate(params: SamplingParams, K: int, seed_base: int, extra_req, draft_p
     with other parameters than the request's (exact all the same: any q is)."""
     req = RequestSampling(params, PROMPT, **(extra_req or {}))
     draft_req = req if draft_params is None else RequestSampling(draft_params, PROMPT)
-    invariant = bool(params.drafter_invariant)  # unset (no admission here): standard
+    invariant = params.gumbel_coupled
     seeds = torch.arange(n, dtype=torch.int64) + seed_base
     seed_list = seeds.tolist()
     counts = SIM_COUNTS

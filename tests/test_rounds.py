@@ -54,7 +54,7 @@ def test_run_draft_returns_the_q_each_proposal_was_drawn_from():
         histories = [list(PROMPT) + list(r.output_ids) for r in rows]
         logits = torch.cat(DRAFT_RUNNER.extend([("x", h, 1) for h in histories]))
         q = process_logits(logits, rows).probs
-        invariant = bool(call.sampling.params.drafter_invariant)  # unset: standard
+        invariant = call.sampling.params.gumbel_coupled
         tokens = sample(q, call.seed, torch.arange(len(rows)) + len(output), Purpose.DRAFT,
                         torch.full((len(rows),), invariant))
         assert proposal.tokens == tokens.tolist()
