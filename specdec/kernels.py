@@ -28,6 +28,8 @@ read at cache speed, and the calibration would call a decode half as costly as i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -332,12 +334,37 @@ def _cache_file() -> Path:
     return Path(root) / "calibration" / f"{machine_key()}.json"
 
 
+@contextlib.contextmanager
+def _machine_lock(path: Path):
+    """Holds an exclusive lock beside the cache file: replicas that load together on one
+    machine calibrate once and read the same choice (kernels measured apart can differ by
+    timing noise, and a request failing over between them would change its bits)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")
+    except OSError as e:  # a read-only home: no cache, no lock
+        logger.warning("could not lock the kernel calibration in %s: %s", path, e)
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def calibrate(shapes: Sequence[tuple[int, int]], fmt: str, *, use_cache: bool = True,
               check_rows: int = 32) -> dict[tuple[int, int], ShapeCalibration]:
     """Calibrations for every distinct shape, from the machine's cache where present."""
+    if not use_cache:
+        return {s: calibrate_shape(s, fmt, check_rows=check_rows)
+                for s in dict.fromkeys(tuple(s) for s in shapes)}
     path = _cache_file()
+    with _machine_lock(path):
+        return _calibrate_cached(path, shapes, fmt, check_rows)
+
+
+def _calibrate_cached(path: Path, shapes, fmt: str, check_rows: int):
     cache = {}
-    if use_cache and path.is_file():
+    if path.is_file():
         try:
             cache = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -356,9 +383,8 @@ def calibrate(shapes: Sequence[tuple[int, int]], fmt: str, *, use_cache: bool = 
                     time.perf_counter() - started, out[shape].fastest, out[shape].fastest_invariant)
         cache[key] = asdict(out[shape])
         changed = True
-    if changed and use_cache:
+    if changed:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(cache, indent=1))
             tmp.replace(path)

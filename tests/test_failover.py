@@ -1,5 +1,6 @@
 """Replica failures and redeploys under traffic (tiny pair): no request fails, and seeded
-texts stay what they were without the fault.
+texts stay what they were without the fault (the pools run with batch_invariant, which that
+promise needs: a failed-over request re-prefills on another replica beside other requests).
 
 Faults are injected by SIGKILL of the replica's process while requests stream."""
 
@@ -36,6 +37,8 @@ def failover_handle(ray_serve, tiny_pair):
         },
         coordinator_options={"num_replicas": 1},
     )
+    for side in ("draft", "target"):
+        args[side] = args[side] | {"batch_invariant": True}
     handle = serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield handle
     serve.delete(APP)

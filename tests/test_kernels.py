@@ -95,3 +95,34 @@ def test_timing_streams_copies_of_the_weight_that_do_not_fit_the_cache(monkeypat
     kernels.time_op(kernels.ops_for(fmt)[0], copies, rows=2, min_s=0.0)
     assert {id(c.data) for c in copies} <= set(seen[1:])  # every copy timed, after the warm-up
     assert kernels.last_level_cache_bytes() > 0
+
+
+def test_replicas_loading_together_calibrate_once_and_agree(monkeypatch, tmp_path):
+    """Two replicas of a pool on one machine must use the same kernels (a request failing
+    over between them keeps its bits); calibrating both at once would time twice and could
+    choose differently. The second waits for the first's cached result."""
+    import threading
+    import time as _time
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    runs = []
+    real = kernels.calibrate_shape
+
+    def slow_calibration(shape, fmt, *, check_rows=32):
+        runs.append(shape)
+        _time.sleep(0.3)  # both loaders are inside calibrate() at once
+        return real(shape, fmt, check_rows=check_rows)
+
+    monkeypatch.setattr(kernels, "calibrate_shape", slow_calibration)
+    results = [None, None]
+
+    def load(i):
+        results[i] = kernels.calibrate([(32, 48)], "float32")
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert runs == [(32, 48)]
+    assert results[0] == results[1]
