@@ -242,9 +242,12 @@ def tiny_pair(folder: str | None = None) -> tuple[Path, Path]:
     return Path(draft), Path(target)
 
 
-def tiny_app_args(draft_dir, target_dir, **overrides) -> dict:
-    """The application's args on the tiny pair (as tests/serve_fixtures.py builds them)."""
-    runner = {"dtype": "float32", "max_batch_size": 16, "num_threads": 1}
+def tiny_app_args(draft_dir, target_dir, *, batch_invariant: bool = False, **overrides) -> dict:
+    """The application's args on the tiny pair (as tests/serve_fixtures.py builds them).
+    `batch_invariant`: both pools' setting, which a seeded text's promise across batches and
+    failovers needs."""
+    runner = {"dtype": "float32", "max_batch_size": 16, "num_threads": 1,
+              "batch_invariant": batch_invariant}
     return {
         "served_model_name": "tiny",
         "num_speculative_tokens": 3,

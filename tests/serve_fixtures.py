@@ -24,7 +24,7 @@ def ray_serve():
     ray.shutdown()
 
 
-def tiny_app_args(tiny_pair, **overrides) -> dict:
+def tiny_app_args(tiny_pair, **overrides) -> dict:  # batch_invariant=True: both pools
     """The application's args on the tiny pair (cluster/localcluster.py builds them)."""
     return localcluster.tiny_app_args(*tiny_pair, **overrides)
 

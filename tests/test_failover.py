@@ -30,6 +30,7 @@ def failover_handle(ray_serve, tiny_pair):
     args = tiny_app_args(
         tiny_pair,
         served_model_name=APP,
+        batch_invariant=True,  # the unchanged-seeded-text promise below needs it
         draft_options={"num_replicas": 1},
         target_options={
             "num_replicas": 2,
@@ -37,8 +38,6 @@ def failover_handle(ray_serve, tiny_pair):
         },
         coordinator_options={"num_replicas": 1},
     )
-    for side in ("draft", "target"):
-        args[side] = args[side] | {"batch_invariant": True}
     handle = serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield handle
     serve.delete(APP)

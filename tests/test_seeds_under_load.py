@@ -392,9 +392,7 @@ def seeds_app(ray_serve, tiny_pair):
     from deployments.app import build_app
     from serve_fixtures import tiny_app_args
 
-    args = tiny_app_args(tiny_pair, served_model_name=SERVE_APP)
-    for side in ("draft", "target"):
-        args[side] = args[side] | {"batch_invariant": True}
+    args = tiny_app_args(tiny_pair, served_model_name=SERVE_APP, batch_invariant=True)
     handle = serve.run(build_app(args), name=SERVE_APP, route_prefix=f"/{SERVE_APP}")
     yield handle
     serve.delete(SERVE_APP)
