@@ -24,8 +24,9 @@ def ray_serve():
     ray.shutdown()
 
 
-def tiny_app_args(tiny_pair, **overrides) -> dict:  # batch_invariant=True: both pools
-    """The application's args on the tiny pair (cluster/localcluster.py builds them)."""
+def tiny_app_args(tiny_pair, **overrides) -> dict:
+    """The application's args on the tiny pair (cluster/localcluster.py builds them;
+    batch_invariant=True sets both pools)."""
     return localcluster.tiny_app_args(*tiny_pair, **overrides)
 
 
