@@ -225,6 +225,8 @@ def markdown(section: dict, hf: dict | None = None) -> list[str]:
              f"- target matmul estimate (ms at rows): {cal['target']['forward_ms']}; invariance "
              f"costs {cal['target']['invariance_cost']}x the fastest kernels; dtype=auto candidates "
              f"(ms at rows {'/'.join(map(str, cal['target']['forward_ms']))}): {cal['target'].get('formats_ms')}",
+             f"- draft matmul estimate (ms at rows): {cal['draft']['forward_ms']}; dtype=auto "
+             f"candidates (a draft may also take w8a8): {cal['draft'].get('formats_ms')}",
              f"- adaptive-K cost table: {cal['k_costs']}", "",
              "| invariant | setting | c | mode | tok/s | vs target-only | decode vs target-only "
              "| acceptance | mean K | vs batch_invariant flipped | text = target-only |",

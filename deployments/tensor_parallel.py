@@ -65,7 +65,7 @@ class TensorParallelWorker:
 class TensorParallelRunner(Runner):
     """Rank 0 plus its workers, behind ModelRunner's interface (specdec.runner_api.Runner)."""
 
-    def __init__(self, path, config, size: int):
+    def __init__(self, path, config, size: int, draft: bool = False):
         placement_group = ray.util.get_current_placement_group()
         if placement_group is None or len(placement_group.bundle_specs) < size:
             raise ValueError(
@@ -74,7 +74,7 @@ class TensorParallelRunner(Runner):
             )
         # dtype auto: measured once here, so that every rank loads the same format
         fmt = resolve_format(path, config.dtype, config.device, config.batch_invariant, size,
-                             config.proposal_vocab)
+                             config.proposal_vocab, draft)
         config = config.model_copy(update={"dtype": fmt})
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
         threads = torch.get_num_threads()

@@ -110,6 +110,7 @@ class CallBatcher:
 
 class _ModelServer:
     round_fn = None  # run_draft or run_target: what one batch computes
+    is_draft = False  # dtype auto may quantize a draft's activations (specdec.runner.auto_formats)
 
     def __init__(self, config: dict | RunnerConfig, cache_dir: str | None = None):
         self.config = RunnerConfig.model_validate(config)
@@ -121,7 +122,7 @@ class _ModelServer:
         torch.set_num_threads(self.config.num_threads or default_threads(tp_size))
         path = resolve_model(self.config.model, cache_dir=cache_dir)
         if tp_size > 1:
-            self.runner = TensorParallelRunner(path, self.config, tp_size)
+            self.runner = TensorParallelRunner(path, self.config, tp_size, draft=self.is_draft)
         else:
             self.runner = ModelRunner(
                 path,
@@ -130,6 +131,7 @@ class _ModelServer:
                 max_cache_tokens=self.config.max_cache_tokens,
                 batch_invariant=self.config.batch_invariant,
                 proposal_vocab=self.config.proposal_vocab,
+                draft=self.is_draft,
             )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._released: OrderedDict[str, None] = OrderedDict()  # recently finished requests
@@ -171,6 +173,7 @@ class _ModelServer:
 @serve.deployment(name="Draft")
 class Draft(_ModelServer):
     round_fn = staticmethod(run_draft)
+    is_draft = True
 
     async def propose(self, call: DraftCall) -> Proposal:
         return await self._batcher.submit(call)

@@ -11,6 +11,16 @@ rows; B: the rows in fixed blocks of B, the last one zero-padded). Formats:
   (`torch.ops.quantized.linear_dynamic_fp16`, op `fbgemm`; x86 builds only). Made for few-row
   inference on CPUs without bf16 instructions: it reads half the bytes of fp32 and stays
   memory-bound (flat in rows) up to a K+1-row verify, where `int8mm` and fp32 are not.
+- `w8a8`: int8 weights (one scale per output channel) and int8 activations, int32 sums,
+  through FBGEMM's int8 GEMM (`torch.ops.quantized.linear_dynamic`, op `fbgemm8`; x86 builds
+  only). It reads a quarter of fp32's bytes and is the cheapest few-row kernel on CPUs whose
+  torch bf16 GEMM is slow, but quantizing the activations changes the model's numbers more
+  than the weight-only formats: `dtype: auto` offers it to a draft only (a draft's numbers
+  change acceptance, never the text's distribution). FBGEMM quantizes a call's activations
+  with one scale for the whole call, which would tie a row's bits to its neighbours; so each
+  row is first divided by its own largest magnitude and two columns holding +1 and -1 (with
+  zero weights) are appended: every call's range is then exactly [-1, 1], its scale a
+  constant, each row quantized alone, and the integer sums exact in any order.
 
 Batch invariance: a row's output must not depend on the other rows of the call nor on its
 place among them. A GEMM library may pick another kernel or another reduction split for
@@ -37,6 +47,7 @@ import logging
 import os
 import platform
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -46,10 +57,13 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-ALL_FORMATS = ("float32", "bfloat16", "int8", "float16")
-# float16 needs FBGEMM, which x86 builds of torch have and others do not.
+ALL_FORMATS = ("float32", "bfloat16", "int8", "float16", "w8a8")
+FBGEMM_FORMATS = ("float16", "w8a8")  # x86 builds of torch have FBGEMM, others do not
 FORMATS = tuple(f for f in ALL_FORMATS
-                if f != "float16" or "fbgemm" in torch.backends.quantized.supported_engines)
+                if f not in FBGEMM_FORMATS or "fbgemm" in torch.backends.quantized.supported_engines)
+# Formats that change a model's activations, not only its weights: for drafts only, unless
+# a user names one for a target.
+DRAFT_ONLY_FORMATS = ("w8a8",)
 BLOCKS = (None, 1, 4, 8, 16, 32, 64)
 # Row counts a pool's calls have: a decode (1), a K+1-row verify, a batch of requests.
 # Kernels and formats are chosen by their total time over these.
@@ -91,12 +105,12 @@ class Kernel:
 
 
 def ops_for(fmt: str) -> tuple[str, ...]:
-    return {"int8": ("int8mm",), "float16": ("fbgemm",)}.get(fmt, ("linear", "wxt"))
+    return {"int8": ("int8mm",), "float16": ("fbgemm",), "w8a8": ("fbgemm8",)}.get(fmt, ("linear", "wxt"))
 
 
 def compute_dtype(fmt: str) -> torch.dtype:
     """The dtype activations (and the KV cache) have with weights of this format."""
-    return torch.float32 if fmt in ("float32", "float16") else torch.bfloat16
+    return torch.float32 if fmt in ("float32", "float16", "w8a8") else torch.bfloat16
 
 
 class Weight:
@@ -109,6 +123,10 @@ class Weight:
             if w.device.type != "cpu":
                 raise ValueError("float16 weights use FBGEMM, a CPU library: use bfloat16 on GPUs")
             self.data = torch.ops.quantized.linear_prepack_fp16(w.float().contiguous(), None)
+        elif fmt == "w8a8":
+            if w.device.type != "cpu":
+                raise ValueError("w8a8 weights use FBGEMM, a CPU library: use bfloat16 on GPUs")
+            self.data = _prepack_w8a8(w.float())
         elif fmt == "int8":
             w = w.float()
             self.scales = (w.abs().amax(1).clamp_min(1e-12) / 127).to(torch.bfloat16)
@@ -120,8 +138,8 @@ class Weight:
 
     @property
     def nbytes(self) -> int:
-        if self.format == "float16":
-            return self.shape[0] * self.shape[1] * 2
+        if self.format in FBGEMM_FORMATS:  # opaque packings: 2 or 1 bytes per weight
+            return self.shape[0] * self.shape[1] * (2 if self.format == "float16" else 1)
         extra = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
         return self.data.numel() * self.data.element_size() + extra
 
@@ -137,7 +155,44 @@ def _op(op: str, x, data, scales):
         return torch.matmul(data, x.T).T
     if op == "fbgemm":
         return torch.ops.quantized.linear_dynamic_fp16(x, data)
+    if op == "fbgemm8":
+        return _w8a8(x, data)
     return torch.ops.aten._weight_int8pack_mm(x, data, scales)
+
+
+# Appended to every w8a8 input row: fixes each call's activation range to [-1, 1].
+_RANGE_COLUMNS = torch.tensor([[1.0, -1.0]])
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in info.splitlines()
+                 if line.startswith("flags")), set())
+
+
+# Without VNNI FBGEMM adds pairs of u8 x s8 products in int16, which 8-bit activations can
+# overflow; 7 bits cannot (PyTorch's reduce_range).
+_W8A8_REDUCE_RANGE = "avx512_vnni" not in _cpu_flags()
+
+
+def _prepack_w8a8(w: torch.Tensor):
+    scales = w.abs().amax(1).clamp_min(1e-12) / 127
+    padded = torch.cat([w, w.new_zeros(w.shape[0], _RANGE_COLUMNS.shape[1])], 1)
+    zero = torch.zeros(w.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors (kept: pinned)
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_channel(padded, scales.double(), zero, 0, torch.qint8)
+    return torch.ops.quantized.linear_prepack(q, None)
+
+
+def _w8a8(x: torch.Tensor, packed) -> torch.Tensor:
+    """x [T, in] float32 through FBGEMM's int8 GEMM, each row quantized on its own scale."""
+    scale = x.abs().amax(1, keepdim=True).clamp_min(1e-30)
+    rows = torch.cat([x / scale, _RANGE_COLUMNS.expand(x.shape[0], -1)], 1)
+    return torch.ops.quantized.linear_dynamic(rows, packed, _W8A8_REDUCE_RANGE) * scale
 
 
 def apply(kernel: Kernel, x: torch.Tensor, data, scales=None) -> torch.Tensor:

@@ -38,7 +38,7 @@ class LocalEngine:
         drafter_invariant: bool = False,
     ):
         kw = dict(dtype=dtype, max_cache_tokens=max_cache_tokens, batch_invariant=batch_invariant)
-        self.draft = ModelRunner(draft_dir, proposal_vocab=proposal_vocab, **kw)
+        self.draft = ModelRunner(draft_dir, proposal_vocab=proposal_vocab, draft=True, **kw)
         self.target = ModelRunner(target_dir, **kw)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.info = ModelInfo(

@@ -323,7 +323,7 @@ def parse_format(dtype) -> str:
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                  torch.float16: "float16"}.get(dtype, str(dtype))
     names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
-             "int8": "int8", "float16": "float16", "fp16": "float16", "auto": "auto"}
+             "int8": "int8", "float16": "float16", "fp16": "float16", "w8a8": "w8a8", "auto": "auto"}
     if dtype not in names:
         raise ValueError(f"dtype {dtype!r}: use one of {sorted(names)}")
     return names[dtype]

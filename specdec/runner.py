@@ -86,12 +86,20 @@ class KernelChoice:
                     machine=self.machine)
 
 
+def auto_formats(draft: bool) -> tuple[str, ...]:
+    """What dtype=auto chooses among: a draft may take formats that quantize activations (its
+    numbers change acceptance only), a target keeps its activations."""
+    return tuple(f for f in kernels.FORMATS if draft or f not in kernels.DRAFT_ONLY_FORMATS)
+
+
 def choose_format(shapes: dict[tuple[int, int], int], device, batch_invariant: bool,
-                  formats=kernels.FORMATS) -> tuple[str, dict[str, list[float]]]:
+                  formats=None, draft: bool = False) -> tuple[str, dict[str, list[float]]]:
     """dtype=auto: the weight format whose (invariant, when asked) matmuls are fastest over
-    the profile rows (a decode, a K+1-row verify, a batch) on this machine. GPUs: bf16."""
+    the profile rows (a decode, a K+1-row verify, a batch) on this machine, among `formats`
+    (default: auto_formats(draft)). GPUs: bf16."""
     if torch.device(device).type != "cpu":
         return "bfloat16", {}
+    formats = auto_formats(draft) if formats is None else formats
     estimates = {}
     for fmt in formats:
         est = kernels.forward_ms(kernels.calibrate(list(shapes), fmt), shapes, batch_invariant)
@@ -111,14 +119,14 @@ def planned_weights(model_dir, tp_size: int = 1, proposal_vocab: int | None = No
 
 
 def resolve_format(model_dir, dtype, device, batch_invariant: bool, tp_size: int = 1,
-                   proposal_vocab: int | None = None) -> str:
+                   proposal_vocab: int | None = None, draft: bool = False) -> str:
     """A concrete weight format for `dtype` ('auto' measured here). Tensor-parallel ranks
     must agree: the replica resolves it once and hands every rank the result."""
     fmt = parse_format(dtype)
     if fmt != "auto":
         return fmt
     _, shapes = planned_weights(model_dir, tp_size, proposal_vocab)
-    return choose_format(shapes, device, batch_invariant)[0]
+    return choose_format(shapes, device, batch_invariant, draft=draft)[0]
 
 
 def choose_kernels(shapes: dict[tuple[int, int], int], fmt: str, device,
@@ -196,19 +204,21 @@ class ModelRunner:
     fed together (prefill, verify, decode); the attention is invariant in both modes.
     `proposal_vocab` (drafts only) keeps that many token ids in the vocabulary head
     (specdec.vocab.proposal_ids); the others' logits are model.OUTSIDE_HEAD_LOGIT.
-    `kernels` overrides the calibration ({shape: Kernel}), e.g. to bypass it in tests."""
+    `kernels` overrides the calibration ({shape: Kernel}), e.g. to bypass it in tests.
+    `draft`: this runner proposes tokens, so dtype=auto may choose a format that quantizes
+    activations (kernels.DRAFT_ONLY_FORMATS)."""
 
     def __init__(self, model_dir, *, dtype="bfloat16", device="cpu",
                  max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS,
                  tp: TensorParallel | None = None, batch_invariant: bool = False,
                  kernels: dict[tuple[int, int], Kernel] | None = None,
-                 proposal_vocab: int | None = None):
+                 proposal_vocab: int | None = None, draft: bool = False):
         self.model_dir = Path(model_dir)  # a model folder: callers resolve names first
         tp = tp or TensorParallel()
         head, shapes = planned_weights(self.model_dir, tp.size, proposal_vocab)
         fmt, formats_ms = parse_format(dtype), {}
         if fmt == "auto":
-            fmt, formats_ms = choose_format(shapes, device, batch_invariant)
+            fmt, formats_ms = choose_format(shapes, device, batch_invariant, draft=draft)
         self.model = load_model(self.model_dir, fmt=fmt, device=device, tp=tp, head_ids=head)
         self.proposal_vocab = None if head is None else len(head)
         chosen, self.kernel_choice = choose_kernels(shapes, fmt, device, batch_invariant)

@@ -85,7 +85,7 @@ def test_timing_streams_copies_of_the_weight_that_do_not_fit_the_cache(monkeypat
     x = torch.randn(3, 96).to(kernels.compute_dtype(fmt))
     for c in copies[1:]:
         assert torch.equal(c(x), weight(x))
-    if fmt != "float16":  # FBGEMM's packing is opaque
+    if fmt not in kernels.FBGEMM_FORMATS:  # FBGEMM's packings are opaque
         assert len({c.data.data_ptr() for c in copies}) == len(copies)
 
     seen = []
@@ -126,3 +126,37 @@ def test_replicas_loading_together_calibrate_once_and_agree(monkeypatch, tmp_pat
         t.join(timeout=120)
     assert runs == [(32, 48)]
     assert results[0] == results[1]
+
+
+@pytest.mark.skipif("w8a8" not in kernels.FORMATS, reason="FBGEMM (x86 builds) only")
+def test_w8a8_quantizes_each_row_alone_so_rows_do_not_depend_on_their_neighbours():
+    """FBGEMM's int8 GEMM quantizes a call's activations with one scale: called directly,
+    a row's bits change when a row of larger magnitude joins it. Through the w8a8 kernel
+    (each row on its own scale) they do not, at any row count, and stay close to fp32."""
+    gen = torch.Generator().manual_seed(2)
+    source = torch.randn(320, 256, generator=gen) * 0.02
+    w = Weight(source, "w8a8")
+    x = torch.randn(40, 256, generator=gen) * torch.rand(40, 1, generator=gen) * 4
+    rows = torch.ops.quantized.linear_dynamic  # the call's range, not the row's, sets the scale
+    plain = kernels._prepack_w8a8(source)
+    alone = rows(torch.cat([x[:1], torch.tensor([[1.0, -1.0]])], 1), plain, True)
+    joined = rows(torch.cat([x[:2] * torch.tensor([[1.0], [50.0]]), torch.tensor([[1.0, -1.0]] * 2)], 1), plain, True)
+    assert not torch.equal(alone[0], joined[0])
+    assert is_invariant(w.kernel, w, 48, gen)
+    ref = x @ source.T
+    assert ((w(x) - ref).norm() / ref.norm()).item() < 0.05
+
+
+@pytest.mark.skipif("w8a8" not in kernels.FORMATS, reason="FBGEMM (x86 builds) only")
+def test_dtype_auto_offers_activation_quantizing_formats_to_drafts_only(monkeypatch):
+    """A draft's numbers change acceptance only; a target's are the distribution served."""
+    from specdec import runner
+
+    assert "w8a8" in runner.auto_formats(draft=True)
+    assert "w8a8" not in runner.auto_formats(draft=False)
+    fast = {"w8a8": [1.0] * len(kernels.COST_ROWS)}
+    monkeypatch.setattr(kernels, "calibrate", lambda shapes, fmt: fmt)
+    monkeypatch.setattr(kernels, "forward_ms", lambda fmt, shapes, inv: fast.get(fmt, [9.0] * len(kernels.COST_ROWS)))
+    shapes = {(64, 96): 1}
+    assert runner.choose_format(shapes, "cpu", True, draft=True)[0] == "w8a8"
+    assert runner.choose_format(shapes, "cpu", True)[0] != "w8a8"
