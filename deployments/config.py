@@ -28,8 +28,9 @@ class RunnerConfig(BaseModel):
 
     model: str  # "default-draft" / "default-target", a local folder, or a hub id
     # Weight format: bfloat16, float32, float16 (FBGEMM fp16 GEMM, fp32 compute; x86 CPUs),
-    # int8 (weight-only, per output channel, bf16 compute) or auto: the fastest of them for
-    # this pool's calls, measured on the machine at load.
+    # int8 (weight-only, per output channel, bf16 compute), w8a8 (int8 weights and per-row
+    # int8 activations through FBGEMM; x86 CPUs) or auto: the fastest of them for this pool's
+    # calls, measured on the machine at load (w8a8 for drafts only: it changes activations).
     dtype: str = "auto"
     device: str = "cpu"
     max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS  # KV cache bound, over all sequences held

@@ -409,15 +409,15 @@ def _machine_lock(path: Path):
 def calibrate(shapes: Sequence[tuple[int, int]], fmt: str, *, use_cache: bool = True,
               check_rows: int = 32) -> dict[tuple[int, int], ShapeCalibration]:
     """Calibrations for every distinct shape, from the machine's cache where present."""
+    distinct = list(dict.fromkeys(tuple(s) for s in shapes))
     if not use_cache:
-        return {s: calibrate_shape(s, fmt, check_rows=check_rows)
-                for s in dict.fromkeys(tuple(s) for s in shapes)}
+        return {s: calibrate_shape(s, fmt, check_rows=check_rows) for s in distinct}
     path = _cache_file()
     with _machine_lock(path):
-        return _calibrate_cached(path, shapes, fmt, check_rows)
+        return _calibrate_cached(path, distinct, fmt, check_rows)
 
 
-def _calibrate_cached(path: Path, shapes, fmt: str, check_rows: int):
+def _calibrate_cached(path: Path, shapes: list[tuple[int, int]], fmt: str, check_rows: int):
     cache = {}
     if path.is_file():
         try:
@@ -425,7 +425,7 @@ def _calibrate_cached(path: Path, shapes, fmt: str, check_rows: int):
         except (OSError, ValueError):
             cache = {}
     out, changed = {}, False
-    for shape in dict.fromkeys(tuple(s) for s in shapes):
+    for shape in shapes:
         key = f"{fmt}:{shape[0]}x{shape[1]}:{check_rows}"
         if key in cache:
             c = cache[key]
