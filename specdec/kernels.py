@@ -164,18 +164,19 @@ def _op(op: str, x, data, scales):
 _RANGE_COLUMNS = torch.tensor([[1.0, -1.0]])
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> str:
+    """The first CPU's `field` line of /proc/cpuinfo ('' where there is none)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in info.splitlines()
-                 if line.startswith("flags")), set())
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith(field)), "")
 
 
 # Without VNNI FBGEMM adds pairs of u8 x s8 products in int16, which 8-bit activations can
 # overflow; 7 bits cannot (PyTorch's reduce_range).
-_W8A8_REDUCE_RANGE = "avx512_vnni" not in _cpu_flags()
+_W8A8_REDUCE_RANGE = "avx512_vnni" not in _cpuinfo("flags").split()
 
 
 def _prepack_w8a8(w: torch.Tensor):
@@ -372,14 +373,7 @@ def calibrate_shape(shape: tuple[int, int], fmt: str, *, check_rows: int = 32) -
 
 def machine_key() -> str:
     """What a calibration depends on besides the shape: CPU model and flags, torch, threads."""
-    cpu = platform.processor()
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        names = [line.split(":", 1)[1].strip() for line in info.splitlines()
-                 if line.startswith(("model name", "flags"))]
-        cpu = " ".join(names[:2])
-    except OSError:
-        pass
+    cpu = f'{_cpuinfo("model name")} {_cpuinfo("flags")}'.strip() or platform.processor()
     raw = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{CALIBRATION_VERSION}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
