@@ -4,9 +4,9 @@ Calls that arrive while a forward pass runs wait, and the next pass takes all of
 (`CallBatcher`), so under load a batch holds every waiting request: continuous batching.
 (Ray Serve's `@serve.batch` closes a batch after its wait window even while the model is
 busy, so with passes of hundreds of milliseconds its batches held one call each, measured.)
-The model runs on one worker thread, which keeps the replica's event loop free (health
-checks, metrics, new calls queueing for the next batch) and serialises every use of the
-runner's caches.
+The model loads and runs on one worker thread, which keeps the replica's event loop free
+(health checks, metrics, new calls queueing for the next batch) and serialises every use of
+the runner's caches.
 """
 
 from __future__ import annotations
@@ -116,15 +116,23 @@ class _ModelServer:
         self.config = RunnerConfig.model_validate(config)
         self._batcher = CallBatcher(self._run_batch, self.config.max_batch_size,
                                     self.config.batch_wait_timeout_s)
+        # Every torch call of the replica runs on this one thread, loading and calibration
+        # included: passes on another thread than the one that loaded the model took
+        # 1.2-1.3x as long on a 2-core CPU (docs/serve_speed.md).
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.runner = self._executor.submit(self._load, cache_dir).result()
+        self._released: OrderedDict[str, None] = OrderedDict()  # recently finished requests
+
+    def _load(self, cache_dir: str | None):
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus; a CPU replica left at one
         # thread decodes at half speed on a 2-core machine. Tensor-parallel ranks share.
         tp_size = self.config.tensor_parallel_size
         torch.set_num_threads(self.config.num_threads or default_threads(tp_size))
         path = resolve_model(self.config.model, cache_dir=cache_dir)
         if tp_size > 1:
-            self.runner = TensorParallelRunner(path, self.config, tp_size, draft=self.is_draft)
+            runner = TensorParallelRunner(path, self.config, tp_size, draft=self.is_draft)
         else:
-            self.runner = ModelRunner(
+            runner = ModelRunner(
                 path,
                 dtype=self.config.dtype,
                 device=self.config.device,
@@ -133,12 +141,11 @@ class _ModelServer:
                 proposal_vocab=self.config.proposal_vocab,
                 draft=self.is_draft,
             )
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self._released: OrderedDict[str, None] = OrderedDict()  # recently finished requests
         logger.info(
             "%s loaded %s on %s with %d threads",
             type(self).__name__, path, self.config.device, torch.get_num_threads(),
         )
+        return runner
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
