@@ -220,27 +220,26 @@ def resolve_dtype(dtype: str) -> str:
 
     if torch.cuda.is_available():
         return "bfloat16"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    from specdec.kernels import cpuinfo
+
+    flags = set(cpuinfo("flags").split())
+    if not flags:  # no /proc/cpuinfo: not a Linux x86 machine we can read
         return "bfloat16"
-    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
 def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "cpus": os.cpu_count()}
+    from specdec.kernels import cpuinfo
+
+    if cpuinfo("model name"):
+        info["cpu"] = cpuinfo("model name")
+    info["simd"] = sorted({f for f in cpuinfo("flags").split() if f.startswith(("avx", "amx"))})
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags"))
-        info["simd"] = sorted({f for f in flags.split() if f.startswith(("avx", "amx"))})
         mem = Path("/proc/meminfo").read_text().split("\n")[0]
         info["memory"] = mem.split(":", 1)[1].strip()
-    except (OSError, StopIteration):
+    except OSError:
         pass
     try:
         info["load_avg"] = os.getloadavg()

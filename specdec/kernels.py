@@ -164,7 +164,7 @@ def _op(op: str, x, data, scales):
 _RANGE_COLUMNS = torch.tensor([[1.0, -1.0]])
 
 
-def _cpuinfo(field: str) -> str:
+def cpuinfo(field: str) -> str:
     """The first CPU's `field` line of /proc/cpuinfo ('' where there is none)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -176,7 +176,7 @@ def _cpuinfo(field: str) -> str:
 
 # Without VNNI FBGEMM adds pairs of u8 x s8 products in int16, which 8-bit activations can
 # overflow; 7 bits cannot (PyTorch's reduce_range).
-_W8A8_REDUCE_RANGE = "avx512_vnni" not in _cpuinfo("flags").split()
+_W8A8_REDUCE_RANGE = "avx512_vnni" not in cpuinfo("flags").split()
 
 
 def _prepack_w8a8(w: torch.Tensor):
@@ -373,7 +373,7 @@ def calibrate_shape(shape: tuple[int, int], fmt: str, *, check_rows: int = 32) -
 
 def machine_key() -> str:
     """What a calibration depends on besides the shape: CPU model and flags, torch, threads."""
-    cpu = f'{_cpuinfo("model name")} {_cpuinfo("flags")}'.strip() or platform.processor()
+    cpu = f'{cpuinfo("model name")} {cpuinfo("flags")}'.strip() or platform.processor()
     raw = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{CALIBRATION_VERSION}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
