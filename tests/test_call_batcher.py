@@ -114,3 +114,26 @@ def test_a_departed_request_costs_one_bounded_wait():
     pool, took = asyncio.run(main())
     assert pool.batches[-1] == [9]
     assert took < 0.1 + min(CallBatcher.REGROUP * 0.1, CallBatcher.REGROUP_MAX_S) + 0.05
+
+
+def test_two_alternating_groups_merge_into_one_batch():
+    """Eight requests in rounds, four of them one batch behind the others (they drafted
+    first): the groups merge instead of alternating for good."""
+
+    async def request(batcher, i, rounds, delay):
+        await asyncio.sleep(delay)
+        for r in range(rounds):
+            await batcher.submit(i)
+            await asyncio.sleep(0.002)  # the caller's own processing time
+
+    async def main():
+        pool = Pool(seconds=0.1)
+        batcher = CallBatcher(pool.run, max_batch_size=16, wait_s=0.0)
+        early = [request(batcher, i, 10, 0.0) for i in range(4)]
+        late = [request(batcher, i, 10, 0.05) for i in range(4, 8)]
+        await asyncio.gather(*early, *late)
+        return pool
+
+    pool = asyncio.run(main())
+    sizes = [len(b) for b in pool.batches]
+    assert sum(sizes) == 80 and sizes.count(8) >= 5, sizes  # 9 at best
