@@ -222,10 +222,9 @@ def resolve_dtype(dtype: str) -> str:
         return "bfloat16"
     from specdec.kernels import cpuinfo
 
-    flags = set(cpuinfo("flags").split())
-    if not flags:  # no /proc/cpuinfo: not a Linux x86 machine we can read
+    if not Path("/proc/cpuinfo").exists():  # not Linux: nothing to tell by
         return "bfloat16"
-    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(cpuinfo("flags").split()) else "float32"
 
 
 def machine_info() -> dict:
@@ -233,8 +232,9 @@ def machine_info() -> dict:
             "cpus": os.cpu_count()}
     from specdec.kernels import cpuinfo
 
-    if cpuinfo("model name"):
-        info["cpu"] = cpuinfo("model name")
+    cpu = cpuinfo("model name")
+    if cpu:
+        info["cpu"] = cpu
     info["simd"] = sorted({f for f in cpuinfo("flags").split() if f.startswith(("avx", "amx"))})
     try:
         mem = Path("/proc/meminfo").read_text().split("\n")[0]

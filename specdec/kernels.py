@@ -164,13 +164,17 @@ def _op(op: str, x, data, scales):
 _RANGE_COLUMNS = torch.tensor([[1.0, -1.0]])
 
 
-def cpuinfo(field: str) -> str:
-    """The first CPU's `field` line of /proc/cpuinfo ('' where there is none)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
+@functools.lru_cache(maxsize=1)
+def _cpuinfo_text() -> str:
+    try:  # read once per process: the CPU does not change, and many-core files are large
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    return next((line.split(":", 1)[1].strip() for line in info.splitlines()
+
+
+def cpuinfo(field: str) -> str:
+    """The first CPU's `field` line of /proc/cpuinfo ('' where there is none)."""
+    return next((line.split(":", 1)[1].strip() for line in _cpuinfo_text().splitlines()
                  if line.startswith(field)), "")
 
 

@@ -12,8 +12,8 @@ from specdec.rounds import ScoreCall
 
 
 def test_the_model_is_loaded_and_run_on_one_thread(tiny_pair, monkeypatch):
-    """A forward pass on another thread than the one that loaded the model ran 1.3-1.5x
-    slower on a 2-core CPU (two OpenMP teams): loading and every call share one thread."""
+    """Passes on another thread than the one that loaded the model took 1.2-1.3x as long
+    in the service on a 2-core CPU (two OpenMP teams): loading and every call share one."""
     threads: dict[str, set[int]] = {"load": set(), "extend": set()}
 
     class RecordingRunner(workers.ModelRunner):
