@@ -382,21 +382,26 @@ def machine_key() -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
+def cache_root() -> Path:
+    """The machine's cache folder (calibrations, compiled kernels, model files)."""
+    return Path(os.environ.get("SPECDEC_CACHE") or os.path.expanduser("~/.cache/specdec"))
+
+
 def _cache_file() -> Path:
-    root = os.environ.get("SPECDEC_CACHE") or os.path.expanduser("~/.cache/specdec")
-    return Path(root) / "calibration" / f"{machine_key()}.json"
+    return cache_root() / "calibration" / f"{machine_key()}.json"
 
 
 @contextlib.contextmanager
-def _machine_lock(path: Path):
-    """Holds an exclusive lock beside the cache file: replicas that load together on one
+def file_lock(path: Path):
+    """Holds an exclusive lock beside a cache file: replicas that load together on one
     machine calibrate once and read the same choice (kernels measured apart can differ by
-    timing noise, and a request failing over between them would change its bits)."""
+    timing noise, and a request failing over between them would change its bits), and
+    build a compiled kernel once."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_suffix(".lock"), "a")
     except OSError as e:  # a read-only home: no cache, no lock
-        logger.warning("could not lock the kernel calibration in %s: %s", path, e)
+        logger.warning("could not lock %s: %s", path, e)
         yield
         return
     with lock:
@@ -411,7 +416,7 @@ def calibrate(shapes: Sequence[tuple[int, int]], fmt: str, *, use_cache: bool = 
     if not use_cache:
         return {s: calibrate_shape(s, fmt, check_rows=check_rows) for s in distinct}
     path = _cache_file()
-    with _machine_lock(path):
+    with file_lock(path):
         return _calibrate_cached(path, distinct, fmt, check_rows)
 
 

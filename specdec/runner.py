@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from specdec import kernels
+from specdec import attention, kernels
 from specdec.attention import BLOCK_SIZE
 from specdec.errors import CapacityError, ContextLengthError, RequestError
 from specdec.kernels import Kernel
@@ -149,10 +149,10 @@ def choose_kernels(shapes: dict[tuple[int, int], int], fmt: str, device,
                                 est, fastest, invariant_ok)
 
 
-def _report(choice: KernelChoice, model_dir) -> None:
-    logger.info("%s: weights %s, kernels %s, est. matmul ms at rows %s: %s",
+def _report(choice: KernelChoice, model_dir, device) -> None:
+    logger.info("%s: weights %s, kernels %s, est. matmul ms at rows %s: %s; attention %s",
                 Path(model_dir).name, choice.format, choice.kernels, kernels.COST_ROWS,
-                [round(m, 1) for m in choice.forward_ms])
+                [round(m, 1) for m in choice.forward_ms], attention.implementation(device.type))
     if choice.batch_invariant and not choice.invariant_ok:
         logger.warning("batch_invariant: NO matmul kernel passed the bitwise invariance check "
                        "on this machine for some weight shape; seeded outputs may depend on the "
@@ -226,7 +226,7 @@ class ModelRunner:
         self.model.use_kernels(kernels or chosen)
         if kernels:
             self.kernel_choice.kernels = {f"{s[0]}x{s[1]}": k.name for s, k in kernels.items()}
-        _report(self.kernel_choice, self.model_dir)
+        _report(self.kernel_choice, self.model_dir, self.model.device)
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
         self.max_context = self.config.max_position_embeddings
@@ -265,7 +265,8 @@ class ModelRunner:
                         pool_bytes=self.pool.nbytes)
 
     def calibration(self) -> dict:
-        return dict(self.kernel_choice.to_dict(), proposal_vocab=self.proposal_vocab)
+        return dict(self.kernel_choice.to_dict(), proposal_vocab=self.proposal_vocab,
+                    attention=attention.implementation(self.model.device.type))
 
     def set_batch_invariant(self, on: bool) -> None:
         """Switches the mode on a loaded runner (the calibration is cached: no reload)."""
