@@ -221,7 +221,8 @@ def markdown(section: dict, hf: dict | None = None) -> list[str]:
              f"{'drafter-invariant' if cfg.get('drafter_invariant') else 'standard'} "
              f"(`speculative`); {cfg['max_tokens']} tokens per request, "
              f"{cfg['single_prompts']} prompts one at a time, {cfg['batch']} in one batch",
-             f"- target kernels: {cal['target']['kernels']}",
+             f"- target kernels: {cal['target']['kernels']}; attention "
+             f"{cal['target'].get('attention', 'torch')}",
              f"- target matmul estimate (ms at rows): {cal['target']['forward_ms']}; invariance "
              f"costs {cal['target']['invariance_cost']}x the fastest kernels; dtype=auto candidates "
              f"(ms at rows {'/'.join(map(str, cal['target']['forward_ms']))}): {cal['target'].get('formats_ms')}",
