@@ -161,6 +161,7 @@ int specdec_paged_attention(const float *q, int64_t T, int64_t H, int64_t D,
                             int64_t max_keys, float *out, int threads) {
     int64_t pairs = T * H;
     if (block_size < 1 || (block_size & (block_size - 1))) return -2;
+    if (pairs <= 0) return 0;  /* no rows: nothing to compute (jobs[0] would be unset) */
     if (threads < 1) threads = 1;
     if (threads > pairs) threads = (int)pairs;
     job_t jobs[64];
