@@ -50,6 +50,15 @@ class RunnerConfig(BaseModel):
     # Exact either way (the target's distribution is what comes out); a smaller vocabulary
     # head makes each draft step cheaper and accepts a little less. docs/ARCHITECTURE.md.
     proposal_vocab: int | None = Field(None, ge=1)
+    # Passes (and loading) hold the node's cores alone, so a draft pass and a target pass
+    # never share them (deployments.node_cores). None: on for CPU pools, off for GPUs; set
+    # false for a CPU pool that has cores of its own (num_threads, CPU affinity).
+    exclusive_cores: bool | None = None
+
+    def takes_turns_on_cores(self) -> bool:
+        if self.exclusive_cores is not None:
+            return self.exclusive_cores
+        return self.device.split(":")[0] == "cpu"
 
 
 class CoordinatorConfig(BaseModel):

@@ -22,6 +22,7 @@ import torch
 from ray import serve
 
 from deployments.config import RunnerConfig
+from deployments.node_cores import NodeCores
 from deployments.tensor_parallel import TensorParallelRunner, default_threads
 from specdec.models import resolve_model
 from specdec.rounds import DraftCall, Proposal, ScoreCall, Scores, run_draft, run_target
@@ -42,13 +43,24 @@ class CallBatcher:
     that, the next batch waits for the rest, at most REGROUP of the last batch's time and
     REGROUP_MAX_S. Otherwise batches split into groups that alternate for good: two halves
     of eight requests (some drafted their first round, the others did not) alternated for
-    126 passes, each costing about what one pass of all eight does."""
+    126 passes, each costing about what one pass of all eight does.
+
+    `cores_busy` (pools sharing a CPU node, deployments.node_cores): while another pool's
+    pass holds the cores this batch could not run anyway, so waiting for the rest costs
+    nothing and the window starts again once the cores are free. The callers still missing
+    are then mostly in that other pass (the draft's, on their way here), and the pools
+    alternate one batch of every request each, as the in-process engine does; measured
+    without it: eight requests through the service split into three groups of 2-3 whose
+    draft and target passes took turns."""
 
     REGROUP = 0.25
     REGROUP_MAX_S = 0.1  # after a long prefill batch, waiting a quarter of it would not pay
+    POLL_S = 0.005  # how often a regrouping batch looks at the cores
 
-    def __init__(self, run_batch, max_batch_size: int, wait_s: float):
+    def __init__(self, run_batch, max_batch_size: int, wait_s: float,
+                 cores_busy=lambda: False):
         self._run_batch, self._max, self._wait_s = run_batch, max_batch_size, wait_s
+        self._cores_busy = cores_busy
         self._callers, self._last_s = 0, 0.0  # callers in rounds; the last batch's seconds
         self._arrivals = 0  # calls submitted so far
         self._waiting: list[tuple[object, asyncio.Future]] = []
@@ -86,16 +98,20 @@ class CallBatcher:
             self._draining = False
 
     async def _regroup(self) -> None:
-        deadline = time.monotonic() + min(self.REGROUP * self._last_s, self.REGROUP_MAX_S)
+        window = min(self.REGROUP * self._last_s, self.REGROUP_MAX_S)
+        deadline = time.monotonic() + window
         while len(self._waiting) < min(self._callers, self._max):
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if self._cores_busy():
+                deadline = max(deadline, now + window)
+            left = deadline - now
             if left <= 0:
                 return
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), left)
+                await asyncio.wait_for(self._arrived.wait(), min(left, self.POLL_S))
             except asyncio.TimeoutError:
-                return
+                pass
 
     async def _run(self, batch) -> None:
         started, arrivals = time.monotonic(), self._arrivals
@@ -119,8 +135,9 @@ class _ModelServer:
 
     def __init__(self, config: dict | RunnerConfig, cache_dir: str | None = None):
         self.config = RunnerConfig.model_validate(config)
+        self._cores = NodeCores(self.config.takes_turns_on_cores())
         self._batcher = CallBatcher(self._run_batch, self.config.max_batch_size,
-                                    self.config.batch_wait_timeout_s)
+                                    self.config.batch_wait_timeout_s, self._cores.taken_by_another)
         # Every torch call of the replica runs on this one thread, loading and calibration
         # included: passes on another thread than the one that loaded the model took
         # 1.2-1.3x as long on a 2-core CPU (docs/serve_speed.md).
@@ -168,7 +185,8 @@ class _ModelServer:
     def _batch(self, fn, calls):
         """Run a batch on the model thread. A cancelled request's call can still be
         queued in a batch after its release arrived; drop what such calls cached."""
-        results = fn(self.runner, calls)
+        with self._cores.turn():
+            results = fn(self.runner, calls)
         for call in calls:
             if call.request_id in self._released:
                 self.runner.release(call.request_id)

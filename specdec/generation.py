@@ -66,6 +66,7 @@ class Generation:
     stop_reason: str | int | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     used_draft: bool = False  # whether any draft replica may hold a cache for it
+    drafted_upto: int = 0  # tokens the request has sent to a draft (its cache's extent)
     times: RoundTimes = field(default_factory=RoundTimes)
     sent: views.Cursor = field(default_factory=views.Cursor)  # what the stream has sent
 
@@ -97,7 +98,9 @@ class Generation:
         k = self.num_speculative_tokens
         if self.adaptive_k:
             load = concurrent if self.text_independent_of_k else 1
-            k = choose_k(k, self.stats.tested, self.stats.accepted, self.info.k_costs, load)
+            k = choose_k(k, self.stats.tested, self.stats.accepted, self.info.k_costs, load,
+                         remaining=left, catch_up_rows=len(self.prompt_ids) + len(self.output)
+                         - self.drafted_upto)
         return max(0, min(k, left - 1, room - 1))
 
     @property
@@ -106,7 +109,9 @@ class Generation:
 
     def draft_call(self, k: int) -> DraftCall:
         self.used_draft = True
-        return DraftCall(self.request_id, self.tokens(), k, self.sampling, self.seed)
+        tokens = self.tokens()
+        self.drafted_upto = len(tokens)
+        return DraftCall(self.request_id, tokens, k, self.sampling, self.seed)
 
     def score_call(self, proposal: Proposal) -> ScoreCall:
         return ScoreCall(
