@@ -164,8 +164,9 @@ class _ModelServer:
                 draft=self.is_draft,
             )
         logger.info(
-            "%s loaded %s on %s with %d threads",
+            "%s loaded %s on %s with %d threads%s",
             type(self).__name__, path, self.config.device, torch.get_num_threads(),
+            ", taking turns on the node's cores" if self._cores.enabled else "",
         )
         return runner
 

@@ -86,11 +86,11 @@ def test_rounds_regroup_while_the_other_pool_holds_the_cores():
     aware = run_rounds(aware=True)
     assert sum(aware["target"]) == 96
     assert aware["target"].count(8) >= 9, aware  # 11 at best: the first rounds gather
-    assert len(aware["target"]) <= 14, aware
+    assert len(aware["target"]) <= 16, aware
 
 
 def test_without_looking_at_the_cores_the_groups_stay_apart():
     """The control: the same rounds with a batcher that does not look at the cores."""
     blind = run_rounds(aware=False)
     assert sum(blind["target"]) == 96
-    assert blind["target"].count(8) <= 2 and len(blind["target"]) >= 24, blind
+    assert blind["target"].count(8) <= 2 and len(blind["target"]) >= 18, blind
