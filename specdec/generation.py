@@ -65,7 +65,6 @@ class Generation:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     stats: SpecStats = field(default_factory=SpecStats)
-    used_draft: bool = False  # whether any draft replica may hold a cache for it
     drafted_upto: int = 0  # tokens the request has sent to a draft (its cache's extent)
     times: RoundTimes = field(default_factory=RoundTimes)
     sent: views.Cursor = field(default_factory=views.Cursor)  # what the stream has sent
@@ -107,8 +106,12 @@ class Generation:
     def text_independent_of_k(self) -> bool:
         return self.params.greedy or self.params.drafter_invariant
 
+    @property
+    def used_draft(self) -> bool:
+        """Whether any draft replica may hold a cache for it."""
+        return self.drafted_upto > 0
+
     def draft_call(self, k: int) -> DraftCall:
-        self.used_draft = True
         tokens = self.tokens()
         self.drafted_upto = len(tokens)
         return DraftCall(self.request_id, tokens, k, self.sampling, self.seed)

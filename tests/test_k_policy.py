@@ -147,12 +147,11 @@ def test_plan_k_counts_the_tokens_the_draft_has_not_seen():
                         info=SimpleNamespace(max_context=4096, k_costs=AMX), prompt_ids=[1] * 150,
                         output=[], num_speculative_tokens=6, adaptive_k=True,
                         stats=SpecStats(tested=100, accepted=88), drafted_upto=0,
-                        text_independent_of_k=True, request_id="r", sampling=None, seed=0,
-                        used_draft=False)
+                        text_independent_of_k=True, request_id="r", sampling=None, seed=0)
     g.tokens = lambda: Generation.tokens(g)
     assert Generation.plan_k(g, 8) == 0  # the prompt is not in the draft
     assert Generation.plan_k(g, 1) >= 3
     Generation.draft_call(g, 3)
-    assert g.drafted_upto == 150 and g.used_draft
+    assert g.drafted_upto == 150 and Generation.used_draft.fget(g)
     g.output = [5, 6, 7]  # the round committed three tokens
     assert Generation.plan_k(g, 8) == 1  # caught up but for them: K=1 pays at c=8
