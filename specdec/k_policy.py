@@ -31,8 +31,9 @@ PRIOR_WEIGHT = 4.0  # proposals' worth of trust in the prior
 @dataclass(frozen=True)
 class Costs:
     """ms of a draft pass and of a target pass at `rows` rows (linear between the measured
-    row counts and beyond them). A draft pass at one row costs draft_ms; `draft_row_ms`
-    (optional, measured at target_rows like the target's) gives its cost at more rows."""
+    row counts, which are sorted, and beyond them). A draft pass at one row costs draft_ms;
+    `draft_row_ms` (optional, measured at target_rows like the target's) gives its cost at
+    more rows."""
 
     draft_ms: float
     target_rows: tuple[int, ...]
@@ -53,10 +54,12 @@ class Costs:
         where a runner measured nothing (GPUs): K then stays as configured."""
         if not draft["forward_ms"] or not target["forward_ms"]:
             return None
-        rows = tuple(int(r) for r in target["forward_ms"])
-        draft_ms = tuple(float(m) for m in draft["forward_ms"].values())
-        return cls(draft_ms[0], rows, tuple(float(m) for m in target["forward_ms"].values()),
-                   draft_ms if len(draft_ms) == len(rows) else ())
+        target_at = sorted((int(r), float(m)) for r, m in target["forward_ms"].items())
+        draft_at = sorted((int(r), float(m)) for r, m in draft["forward_ms"].items())
+        rows = tuple(r for r, _ in target_at)
+        draft_ms = tuple(m for _, m in draft_at)
+        return cls(draft_ms[0], rows, tuple(m for _, m in target_at),
+                   draft_ms if [r for r, _ in draft_at] == list(rows) else ())
 
     def to_dict(self) -> dict:
         return dict(draft_ms=self.draft_ms, target_rows=list(self.target_rows),
@@ -64,11 +67,14 @@ class Costs:
 
 
 def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    """Linear between the listed rows; beyond the last, the slope over its upper half (a
+    table lists both sides of block steps, and its last segment may sit within one block)."""
     pts = list(zip(xs, ys))
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
         if x <= x1:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    x1, y1 = pts[-1]
+    x0, y0 = max((p for p in pts[:-1] if p[0] <= x1 / 2), default=pts[-2])
     return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 

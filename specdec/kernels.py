@@ -69,11 +69,14 @@ BLOCKS = (None, 1, 4, 8, 16, 32, 64)
 # Kernels and formats are chosen by their total time over these.
 PROFILE_ROWS = (1, 5, 16)
 # Timed too, for the K policy's cost table: eight requests' verifies fill several 16-row
-# blocks, and a table that stopped at 16 rows would call their extra blocks free.
-COST_ROWS = PROFILE_ROWS + (64,)
+# blocks, and a table that stopped at 16 rows would call their extra blocks free. Both sides
+# of the 16- and 32-row boundaries are listed, so that the policy's linear interpolation
+# sees a blocked kernel's step (a 17-row pass costs two 16-row blocks, not 1/16 more): with
+# only 16 and 64 listed, eight requests at K=2 (24 rows) looked a third cheaper than they ran.
+COST_ROWS = PROFILE_ROWS + (8, 17, 32, 33, 64)
 # Row counts searched for a padded kernel's invariant counts; longer inputs are cut.
 PAD_SEARCH_ROWS = 24
-CALIBRATION_VERSION = 6  # 6: times weights streamed from memory, not from the cache
+CALIBRATION_VERSION = 7  # 7: costs listed on both sides of 16- and 32-row blocks
 # Where sysfs does not say how large the last-level cache is.
 DEFAULT_LLC_BYTES = 64 << 20
 MAX_COPIES = 512  # tiny matrices (tests) stay cached whatever we do; bound the copies

@@ -21,6 +21,45 @@ def test_costs_interpolate_and_extrapolate_linearly():
     assert c.target(16) == 360.0 and c.target(27) == pytest.approx(580.0)
 
 
+def test_costs_extrapolate_with_the_slope_of_the_upper_half():
+    """A table that lists both sides of block steps ends within one block (33 to 64 rows
+    are three blocks then four): beyond it, the slope from 32 rows, not from 33."""
+    c = Costs(10.0, (1, 16, 17, 32, 33, 64), (100.0, 100.0, 200.0, 200.0, 300.0, 400.0))
+    assert c.target(96) == pytest.approx(400.0 + 32 * (400.0 - 200.0) / 32)
+
+
+# Measured on a 2-core AMX Xeon (bf16 target with 16-row blocks on three of five shapes,
+# w8a8 draft), listed as a calibration lists them: profile rows first.
+STEPPED_ROWS = (1, 5, 16, 8, 17, 32, 33, 64)
+STEPPED_TARGET = (123.76, 120.32, 122.65, 120.77, 221.11, 223.27, 321.74, 425.29)
+STEPPED_DRAFT = (17.07, 29.54, 41.2, 33.25, 42.16, 54.97, 57.23, 83.48)
+
+
+def test_costs_from_calibrations_sort_the_listed_rows():
+    costs = Costs.from_calibrations({"forward_ms": dict(zip(STEPPED_ROWS, STEPPED_DRAFT))},
+                                    {"forward_ms": dict(zip(STEPPED_ROWS, STEPPED_TARGET))})
+    assert costs.target_rows == tuple(sorted(STEPPED_ROWS))
+    assert costs.target(8) == 120.77 and costs.target(17) == 221.11
+    assert costs.target(24) == pytest.approx(222.1, abs=0.1)  # two blocks, not 1.2
+    assert costs.draft(8) == 33.25 and costs.draft_ms == 17.07
+
+
+def test_a_second_row_block_is_priced_from_its_first_row():
+    """Twelve requests at K=1 feed 24 rows, two 16-row blocks. Listing only 16 and 64 rows,
+    the same measurement put them at 1.2 blocks and chose K=1; with 17 and 32 listed the
+    step shows, and K=0 finishes sooner. Alone and at eight requests (16 rows) both agree."""
+    measured = Costs.from_calibrations({"forward_ms": dict(zip(STEPPED_ROWS, STEPPED_DRAFT))},
+                                       {"forward_ms": dict(zip(STEPPED_ROWS, STEPPED_TARGET))})
+    keep = [STEPPED_ROWS.index(r) for r in (1, 5, 16, 64)]
+    smooth = Costs(17.07, (1, 5, 16, 64), tuple(STEPPED_TARGET[i] for i in keep),
+                   tuple(STEPPED_DRAFT[i] for i in keep))
+    assert choose_k(6, 100, 88, smooth, concurrent=12, remaining=64) == 1
+    assert choose_k(6, 100, 88, measured, concurrent=12, remaining=64) == 0
+    for n, k in ((1, 6), (8, 1)):
+        assert choose_k(6, 100, 88, smooth, concurrent=n, remaining=64) == k
+        assert choose_k(6, 100, 88, measured, concurrent=n, remaining=64) == k
+
+
 def test_k_zero_when_the_draft_costs_as_much_as_a_verify():
     costs = Costs(100.0, (1, 5, 16), (100.0, 110.0, 200.0))
     assert choose_k(6, tested=100, accepted=90, costs=costs) == 0

@@ -67,7 +67,11 @@ def test_calibration_times_rows_beyond_the_choice_profile_for_the_k_policy():
     cal = kernels.calibrate_shape((64, 96), "float32")
     assert all(len(ms) == len(kernels.COST_ROWS) for ms in cal.ms.values())
     b16 = cal.ms["float32:linear:b16"]
-    assert b16[-1] == pytest.approx(-(-max(kernels.COST_ROWS) // 16) * b16[kernels.PROFILE_ROWS.index(16)])
+    one_block = b16[kernels.PROFILE_ROWS.index(16)]
+    assert b16[-1] == pytest.approx(-(-max(kernels.COST_ROWS) // 16) * one_block)
+    # both sides of each step are listed: the K policy interpolates between listed rows
+    for rows, blocks in ((16, 1), (17, 2), (32, 2), (33, 3)):
+        assert b16[kernels.COST_ROWS.index(rows)] == pytest.approx(blocks * one_block)
     assert cal.cost(cal.fastest) == kernels.profile_sum(cal.ms[cal.fastest])
 
 
