@@ -54,16 +54,19 @@ class Costs:
         where a runner measured nothing (GPUs): K then stays as configured."""
         if not draft["forward_ms"] or not target["forward_ms"]:
             return None
-        target_at = sorted((int(r), float(m)) for r, m in target["forward_ms"].items())
-        draft_at = sorted((int(r), float(m)) for r, m in draft["forward_ms"].items())
-        rows = tuple(r for r, _ in target_at)
-        draft_ms = tuple(m for _, m in draft_at)
-        return cls(draft_ms[0], rows, tuple(m for _, m in target_at),
-                   draft_ms if [r for r, _ in draft_at] == list(rows) else ())
+        rows, target_ms = _by_rows(target["forward_ms"])
+        draft_rows, draft_ms = _by_rows(draft["forward_ms"])
+        return cls(draft_ms[0], rows, target_ms, draft_ms if draft_rows == rows else ())
 
     def to_dict(self) -> dict:
         return dict(draft_ms=self.draft_ms, target_rows=list(self.target_rows),
                     target_ms=list(self.target_ms), draft_row_ms=list(self.draft_row_ms))
+
+
+def _by_rows(ms_at: dict) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """A calibration's {rows: ms} in row order (it lists its profile rows first)."""
+    pairs = sorted((int(r), float(m)) for r, m in ms_at.items())
+    return tuple(r for r, _ in pairs), tuple(m for _, m in pairs)
 
 
 def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
