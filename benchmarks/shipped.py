@@ -100,6 +100,7 @@ def compare_proposal_vocab(backend, prompt_ids, settings, *, single: int, max_to
 
     from benchmarks.backends import _TimedRunner
     from specdec.k_policy import Costs
+    from specdec.pass_costs import with_pass_costs
     from specdec.runner import ModelRunner
 
     engine, info = backend.engine, backend.engine.info
@@ -109,9 +110,11 @@ def compare_proposal_vocab(backend, prompt_ids, settings, *, single: int, max_to
                                      batch_invariant=shipped.runner.batch_invariant,
                                      proposal_vocab=vocab))
     engine.draft = backend.draft = other
-    if info.k_costs:  # adaptive K from this draft's own measured cost
-        engine.info = replace(info, k_costs=Costs.from_calibrations(other.calibration(),
-                                                                     engine.target.calibration()))
+    if info.k_costs:  # adaptive K from this draft's own measured cost, the target's as is
+        target = dict(engine.target.calibration(),
+                      pass_ms=dict(zip(info.k_costs.pass_rows, info.k_costs.target_pass_ms)))
+        engine.info = replace(info, k_costs=Costs.from_calibrations(
+            with_pass_costs(other.runner, draft=True), target))
     rows = []
     try:
         for s in settings:

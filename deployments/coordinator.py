@@ -77,7 +77,8 @@ class Coordinator:
         self.max_context = self.info.max_context
         self._k_costs_lock = asyncio.Lock()
         self._k_costs_loaded = False
-        self._generating = 0  # requests in rounds on this replica: the load adaptive K may weigh
+        # requests in rounds on this replica, by id: the load adaptive K may weigh
+        self._in_rounds: dict[int, Generation] = {}
 
     def __serve_build_asgi_app__(self):
         return make_app(self)
@@ -138,10 +139,10 @@ class Coordinator:
         started = time.perf_counter()
         first_token_s = None
         self.metrics.in_flight(+1)
-        self._generating += 1
+        self._in_rounds[id(gen)] = gen
         try:
             async for delta in generate_stream(gen, self._propose, self._score, self._on_round,
-                                               concurrent=lambda: self._generating):
+                                               in_rounds=self._in_rounds.values()):
                 if first_token_s is None and delta.token_ids:
                     first_token_s = time.perf_counter() - started
                     self.metrics.first_token(first_token_s)
@@ -152,7 +153,7 @@ class Coordinator:
             )
         finally:
             self.metrics.in_flight(-1)
-            self._generating -= 1
+            del self._in_rounds[id(gen)]
             # Fire and forget: a cancelled request must not wait on cleanup. A release is a
             # call like any other for autoscaling, so a pool that never saw it is spared.
             # Sent from an empty context: inside the request's own, Serve would count the

@@ -25,6 +25,7 @@ from deployments.config import RunnerConfig
 from deployments.node_cores import NodeCores
 from deployments.tensor_parallel import TensorParallelRunner, default_threads
 from specdec.models import resolve_model
+from specdec.pass_costs import with_pass_costs
 from specdec.rounds import DraftCall, Proposal, ScoreCall, Scores, run_draft, run_target
 from specdec.runner import ModelRunner
 
@@ -144,6 +145,7 @@ class _ModelServer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.runner = self._executor.submit(self._load, cache_dir).result()
         self._released: OrderedDict[str, None] = OrderedDict()  # recently finished requests
+        self._pass_costs: dict | None = None  # calibration() with pass_ms, once timed
 
     def _load(self, cache_dir: str | None):
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus; a CPU replica left at one
@@ -197,8 +199,16 @@ class _ModelServer:
         return await self._run(self.runner.cache_usage)
 
     async def calibration(self) -> dict:
-        """The weight format and matmul kernels measured at load (specdec.kernels)."""
-        return self.runner.calibration()
+        """The weight format and matmul kernels measured at load (specdec.kernels), and the
+        whole passes' ms (specdec.pass_costs), timed on the first call: the coordinator's
+        first request, once both pools have loaded and the cores are quiet."""
+        return await self._run(self._calibration)
+
+    def _calibration(self) -> dict:
+        if self._pass_costs is None:
+            with self._cores.turn():
+                self._pass_costs = with_pass_costs(self.runner, draft=self.is_draft)
+        return self._pass_costs
 
 
 @serve.deployment(name="Draft")

@@ -13,8 +13,9 @@ coordinator's remote calls) and `specdec.lockstep` (many requests in-process, ba
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -66,6 +67,7 @@ class Generation:
     stop_reason: str | int | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     drafted_upto: int = 0  # tokens the request has sent to a draft (its cache's extent)
+    wants_draft: bool = False  # its latest plan would draft were the draft pass shared by all
     times: RoundTimes = field(default_factory=RoundTimes)
     sent: views.Cursor = field(default_factory=views.Cursor)  # what the stream has sent
 
@@ -87,20 +89,36 @@ class Generation:
 
     # ---- one round ------------------------------------------------------------------
 
-    def plan_k(self, concurrent: int = 1) -> int:
+    def plan_k(self, concurrent: int = 1, drafting_peers: int | None = None) -> int:
         """Proposals this round: never more than the token budget or the context allow.
-        `concurrent`: requests sharing this round's passes, weighed only where the text
-        cannot depend on K (greedy, drafter-invariant); for the others K is a function of the
-        request's own acceptance and the fixed cost table, never of load or timing."""
+
+        Where the text cannot depend on K (greedy, drafter-invariant), K also weighs load
+        and the passes' timed costs: `concurrent` requests share this round's passes, and
+        `drafting_peers` of the others want to draft (their `wants_draft`, None: all). A
+        request that would draft where all do, but alone shares no draft pass, weighs
+        drafting alone. For the others K is a function of the request's own acceptance and
+        the fixed cost table, never of load or timing."""
         left = self.params.max_tokens - len(self.output)
         room = self.info.max_context - len(self.prompt_ids) - len(self.output)
-        k = self.num_speculative_tokens
+        k, wish = self.num_speculative_tokens, None
         if self.adaptive_k:
-            load = concurrent if self.text_independent_of_k else 1
-            k = choose_k(k, self.stats.tested, self.stats.accepted, self.info.k_costs, load,
-                         remaining=left, catch_up_rows=len(self.prompt_ids) + len(self.output)
-                         - self.drafted_upto)
-        return max(0, min(k, left - 1, room - 1))
+            k, wish = self._adaptive_k(k, left, concurrent, drafting_peers)
+        k = max(0, min(k, left - 1, room - 1))
+        self.wants_draft = k > 0 if wish is None else wish
+        return k
+
+    def _adaptive_k(self, max_k: int, left: int, concurrent: int,
+                    drafting_peers: int | None) -> tuple[int, bool | None]:
+        """K by k_policy, and (where load counts) whether it drafts where all requests do."""
+        choose = partial(choose_k, max_k, self.stats.tested, self.stats.accepted,
+                         self.info.k_costs, remaining=left,
+                         catch_up_rows=len(self.prompt_ids) + len(self.output) - self.drafted_upto)
+        if not self.text_independent_of_k:
+            return choose(), None
+        k = choose(concurrent, whole_pass=True)
+        if k and drafting_peers is not None:
+            return choose(concurrent, whole_pass=True, drafting=drafting_peers + 1), True
+        return k, k > 0
 
     @property
     def text_independent_of_k(self) -> bool:
@@ -152,18 +170,26 @@ class Generation:
         return views.result(self)
 
 
+def round_load(gen: Generation, in_rounds: Collection[Generation]) -> tuple[int, int | None]:
+    """`Generation.plan_k`'s load: the requests in rounds (`gen` among them), and how many
+    of the others want to draft."""
+    if not in_rounds:
+        return 1, None
+    return len(in_rounds), sum(g.wants_draft for g in in_rounds if g is not gen)
+
+
 async def generate_stream(
     gen: Generation,
     draft: DraftFn,
     target: TargetFn,
     on_round: Callable[[Generation, RoundTimes, RoundResult], None] | None = None,
-    concurrent: Callable[[], int] = lambda: 1,
+    in_rounds: Collection[Generation] = (),
 ) -> AsyncIterator[GenerateDelta]:
-    """Run rounds until the request finishes, yielding what each round adds. `concurrent`:
-    how many requests share the pools' passes now (see Generation.plan_k)."""
+    """Run rounds until the request finishes, yielding what each round adds. `in_rounds`:
+    the requests in rounds now, which share the pools' passes (see Generation.plan_k)."""
     while not gen.finished:
         started = time.perf_counter()
-        k = gen.plan_k(concurrent())
+        k = gen.plan_k(*round_load(gen, in_rounds))
         proposal = await draft(gen.draft_call(k)) if k else Proposal(tokens=[], probs=None)
         drafted = time.perf_counter()
         scores = await target(gen.score_call(proposal))

@@ -15,9 +15,11 @@ draft's prefill of their prompts (docs/benchmark.md). The catch-up depends on th
 own history only, so standard-mode K stays a function of history and the fixed table.
 
 Requests whose text cannot depend on K (greedy ones, drafter-invariant ones) may also weigh
-load: with `concurrent` requests sharing each pass, a round costs each of them 1/concurrent
-of a draft pass and a target pass over all their rows. Where passes are compute-bound (a CPU
-with few cores at a large batch) that makes speculation pay less, and K falls to 0.
+timing and load. Timing: the whole passes' time, timed when the runners load
+(specdec.pass_costs), where the fixed table has their matmuls only. Load: with `concurrent`
+requests sharing each pass, a round costs each of them 1/concurrent of a draft pass and a
+target pass over all their rows. Where passes are compute-bound (a CPU with few cores at a
+large batch) that makes speculation pay less, and K falls to 0.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ class Costs:
     target_rows: tuple[int, ...]
     target_ms: tuple[float, ...]
     draft_row_ms: tuple[float, ...] = ()
+    # Whole passes timed at load at pass_rows (specdec.pass_costs), optional: what the
+    # matmuls leave out is added, linear in rows, for requests that may weigh timing.
+    pass_rows: tuple[int, ...] = ()
+    draft_pass_ms: tuple[float, ...] = ()
+    target_pass_ms: tuple[float, ...] = ()
+    draft_prefill_row_ms: float = 0.0  # a draft prefill's whole-pass ms per row
 
     def target(self, rows: float) -> float:
         return _interpolate(self.target_rows, self.target_ms, rows)
@@ -48,6 +56,27 @@ class Costs:
             return self.draft_ms * rows
         return _interpolate(self.target_rows, self.draft_row_ms, rows)
 
+    def target_pass(self, rows: float) -> float:
+        return self.target(rows) + self._rest(self.target, self.target_pass_ms, rows)
+
+    def draft_pass(self, rows: float = 1) -> float:
+        return self.draft(rows) + self._rest(self.draft, self.draft_pass_ms, rows)
+
+    def catch_up(self, rows: int, whole_pass: bool = False) -> float:
+        """ms of a draft pass over `rows` unseen tokens beyond a decode step's one row."""
+        if rows <= 1:
+            return 0.0
+        if whole_pass and self.draft_prefill_row_ms:
+            return (rows - 1) * self.draft_prefill_row_ms
+        return self.draft(rows) - self.draft(1)
+
+    def _rest(self, matmuls, pass_ms: tuple[float, ...], rows: float) -> float:
+        """A pass's time beyond its matmuls' at `rows` (0 where no pass was timed)."""
+        if len(pass_ms) < 2 or len(pass_ms) != len(self.pass_rows):
+            return 0.0
+        rest = tuple(max(0.0, ms - matmuls(r)) for r, ms in zip(self.pass_rows, pass_ms))
+        return max(0.0, _interpolate(self.pass_rows, rest, rows))
+
     @classmethod
     def from_calibrations(cls, draft: dict, target: dict) -> "Costs | None":
         """From two runners' `calibration()` reports (matmul ms at the profile rows); None
@@ -56,11 +85,25 @@ class Costs:
             return None
         rows, target_ms = _by_rows(target["forward_ms"])
         draft_rows, draft_ms = _by_rows(draft["forward_ms"])
-        return cls(draft_ms[0], rows, target_ms, draft_ms if draft_rows == rows else ())
+        return cls(draft_ms[0], rows, target_ms, draft_ms if draft_rows == rows else (),
+                   **_pass_costs(draft, target))
 
     def to_dict(self) -> dict:
         return dict(draft_ms=self.draft_ms, target_rows=list(self.target_rows),
-                    target_ms=list(self.target_ms), draft_row_ms=list(self.draft_row_ms))
+                    target_ms=list(self.target_ms), draft_row_ms=list(self.draft_row_ms),
+                    pass_rows=list(self.pass_rows), draft_pass_ms=list(self.draft_pass_ms),
+                    target_pass_ms=list(self.target_pass_ms),
+                    draft_prefill_row_ms=self.draft_prefill_row_ms)
+
+
+def _pass_costs(draft: dict, target: dict) -> dict:
+    """The whole passes' fields of Costs, where both runners timed them at the same rows."""
+    pass_rows, draft_pass_ms = _by_rows(draft.get("pass_ms") or {})
+    target_rows, target_pass_ms = _by_rows(target.get("pass_ms") or {})
+    if not pass_rows or pass_rows != target_rows:
+        return {}
+    return dict(pass_rows=pass_rows, draft_pass_ms=draft_pass_ms, target_pass_ms=target_pass_ms,
+                draft_prefill_row_ms=float(draft.get("prefill_row_ms") or 0.0))
 
 
 def _by_rows(ms_at: dict) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -91,27 +134,36 @@ def running_acceptance(tested: int, accepted: int) -> float:
     return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tested + PRIOR_WEIGHT)
 
 
-def round_ms(k: int, costs: Costs, concurrent: int = 1) -> float:
-    """One request's share of a round with K=k when `concurrent` requests share each pass."""
+def round_ms(k: int, costs: Costs, concurrent: int = 1, whole_pass: bool = False,
+             drafting: int | None = None) -> float:
+    """One request's share of a round with K=k when `concurrent` requests share the target
+    pass and `drafting` of them (all where None) draft at K and share the draft pass: in
+    lockstep, requests that draft alone pay a whole draft pass each step. `whole_pass`: with
+    the passes' measured time beyond their matmuls."""
     n = max(1, concurrent)
-    return (k * costs.draft(n) + costs.target(n * (k + 1))) / n
+    m = n if drafting is None else min(n, max(1, drafting))
+    draft, target = (costs.draft_pass, costs.target_pass) if whole_pass else (costs.draft, costs.target)
+    return k * draft(m) / m + target(n + m * k) / n
 
 
 def finish_ms(k: int, acceptance: float, costs: Costs, concurrent: int, remaining: int,
-              catch_up_rows: int = 0) -> float:
+              catch_up_rows: int = 0, whole_pass: bool = False,
+              drafting: int | None = None) -> float:
     """Expected ms of this request's share of the passes that produce its `remaining` tokens
     at K=k, with (k > 0) the draft's pass over `catch_up_rows` tokens it has not seen."""
-    ms = remaining * round_ms(k, costs, concurrent) / expected_tokens(acceptance, k)
-    if k and catch_up_rows > 1:  # one row rides along with the first step anyway
-        ms += costs.draft(catch_up_rows) - costs.draft(1)
+    per_round = round_ms(k, costs, concurrent, whole_pass, drafting)
+    ms = remaining * per_round / expected_tokens(acceptance, k)
+    if k:
+        ms += costs.catch_up(catch_up_rows, whole_pass)
     return ms
 
 
 def choose_k(max_k: int, tested: int, accepted: int, costs: Costs, concurrent: int = 1,
-             remaining: int = 1, catch_up_rows: int = 0) -> int:
+             remaining: int = 1, catch_up_rows: int = 0, whole_pass: bool = False,
+             drafting: int | None = None) -> int:
     """The K (0..max_k) that finishes the request soonest: the most tokens per ms where the
     draft is caught up."""
     a = running_acceptance(tested, accepted)
-    ms = [finish_ms(k, a, costs, concurrent, max(1, remaining), catch_up_rows)
-          for k in range(max_k + 1)]
+    ms = [finish_ms(k, a, costs, concurrent, max(1, remaining), catch_up_rows, whole_pass,
+                    drafting) for k in range(max_k + 1)]
     return min(range(max_k + 1), key=lambda k: (ms[k], k))

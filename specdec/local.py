@@ -15,9 +15,10 @@ from transformers import AutoTokenizer
 
 from specdec import lockstep
 from specdec.api_types import GenerateRequest, GenerateResult
-from specdec.generation import Generation, ModelInfo
+from specdec.generation import Generation, ModelInfo, round_load
 from specdec.params import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdec.k_policy import Costs
+from specdec.pass_costs import with_pass_costs
 from specdec.rounds import Proposal, run_draft, run_target
 from specdec.runner import DEFAULT_MAX_CACHE_TOKENS, ModelRunner
 from specdec.vocab import eos_token_ids
@@ -49,7 +50,8 @@ class LocalEngine:
             default_num_speculative_tokens=num_speculative_tokens,
             default_drafter_invariant=drafter_invariant,  # for requests that leave it unset
             # K per round from each request's acceptance and the runners' calibrated costs
-            k_costs=Costs.from_calibrations(self.draft.calibration(), self.target.calibration())
+            k_costs=Costs.from_calibrations(with_pass_costs(self.draft, draft=True),
+                                            with_pass_costs(self.target, draft=False))
             if adaptive_k else None,
         )
 
@@ -67,7 +69,7 @@ class LocalEngine:
 
     def step(self, gens: Sequence[Generation]) -> None:
         """One round for every request: batched draft, batched target, per-request accept."""
-        ks = [g.plan_k(concurrent=len(gens)) for g in gens]
+        ks = [g.plan_k(*round_load(g, gens)) for g in gens]
         drafting = [i for i, k in enumerate(ks) if k]
         proposals = [Proposal(tokens=[], probs=None) for _ in gens]
         if drafting:

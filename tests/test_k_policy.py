@@ -9,6 +9,23 @@ from specdec.k_policy import (Costs, choose_k, expected_tokens, finish_ms, round
 from specdec.rejection import SpecStats
 
 
+def generation(costs: Costs, prompt_len: int = 2, drafted_upto: int | None = None,
+               max_tokens: int = 100, **params):
+    """A request in rounds with 100 proposals tested, 88 accepted; its prompt in the draft
+    unless `drafted_upto` says otherwise."""
+    from types import SimpleNamespace
+
+    from specdec.generation import Generation
+    from specdec.params import SamplingParams
+    from specdec.processing import RequestSampling
+
+    sp = SamplingParams(**dict(dict(temperature=0.6, max_tokens=max_tokens), **params))
+    info = SimpleNamespace(max_context=4096, k_costs=costs)
+    return Generation("r", sp, RequestSampling(sp, [1] * prompt_len), 0, 6, info,
+                      adaptive_k=True, stats=SpecStats(tested=100, accepted=88),
+                      drafted_upto=prompt_len if drafted_upto is None else drafted_upto)
+
+
 def test_expected_tokens_is_the_geometric_mean_length():
     assert expected_tokens(0.0, 5) == pytest.approx(1.0)
     assert expected_tokens(0.5, 1) == pytest.approx(1.5)
@@ -116,22 +133,10 @@ def test_load_makes_compute_bound_speculation_stop():
 
 
 def test_plan_k_weighs_load_only_where_text_cannot_depend_on_k():
-    from types import SimpleNamespace
-
-    from specdec.generation import Generation
-
     costs = Costs(36.0, (1, 5, 16), (163.0, 217.0, 577.0), (36.0, 42.0, 125.0))
 
     def plan(**params):
-        base = dict(temperature=0.6, drafter_invariant=False, max_tokens=100)
-        p = SimpleNamespace(**dict(base, **params))
-        p.greedy = p.temperature == 0
-        g = SimpleNamespace(params=p, info=SimpleNamespace(max_context=4096, k_costs=costs),
-                            prompt_ids=[1, 2], output=[], num_speculative_tokens=6,
-                            adaptive_k=True, stats=SpecStats(tested=100, accepted=88),
-                            drafted_upto=2)
-        g.text_independent_of_k = Generation.text_independent_of_k.fget(g)
-        return Generation.plan_k(g, 1), Generation.plan_k(g, 8)
+        return generation(costs, **params).plan_k(1), generation(costs, **params).plan_k(8)
 
     assert plan()[0] == plan()[1] >= 3  # standard sampling: the same K at any load
     alone, loaded = plan(temperature=0)
@@ -178,19 +183,83 @@ def test_finish_ms_adds_the_catch_up_once_and_only_to_drafted_rounds():
 def test_plan_k_counts_the_tokens_the_draft_has_not_seen():
     """A request that ran rounds at K=0 owes the draft those tokens before it drafts again;
     one that drafted last round owes only that round's tokens."""
-    from types import SimpleNamespace
-
-    from specdec.generation import Generation
-
-    g = SimpleNamespace(params=SimpleNamespace(max_tokens=64, greedy=True, drafter_invariant=True),
-                        info=SimpleNamespace(max_context=4096, k_costs=AMX), prompt_ids=[1] * 150,
-                        output=[], num_speculative_tokens=6, adaptive_k=True,
-                        stats=SpecStats(tested=100, accepted=88), drafted_upto=0,
-                        text_independent_of_k=True, request_id="r", sampling=None, seed=0)
-    g.tokens = lambda: Generation.tokens(g)
-    assert Generation.plan_k(g, 8) == 0  # the prompt is not in the draft
-    assert Generation.plan_k(g, 1) >= 3
-    Generation.draft_call(g, 3)
-    assert g.drafted_upto == 150 and Generation.used_draft.fget(g)
+    g = generation(AMX, prompt_len=150, drafted_upto=0, max_tokens=64, temperature=0.0)
+    assert g.plan_k(8) == 0  # the prompt is not in the draft
+    assert g.plan_k(1) >= 3
+    g.draft_call(3)
+    assert g.drafted_upto == 150 and g.used_draft
     g.output = [5, 6, 7]  # the round committed three tokens
-    assert Generation.plan_k(g, 8) == 1  # caught up but for them: K=1 pays at c=8
+    assert g.plan_k(8) == 1  # caught up but for them: K=1 pays at c=8
+
+
+# The same machine's whole passes, timed at load (specdec.pass_costs): a decode pass of the
+# round functions at 1 and 16 rows, and a draft prefill's ms per row.
+WHOLE = Costs.from_calibrations(
+    {"forward_ms": dict(zip(STEPPED_ROWS, STEPPED_DRAFT)), "pass_ms": {1: 39.97, 16: 107.42},
+     "prefill_row_ms": 1.744},
+    {"forward_ms": dict(zip(STEPPED_ROWS, STEPPED_TARGET)), "pass_ms": {1: 150.11, 16: 190.75}})
+
+
+def test_whole_passes_add_what_the_matmuls_leave_out_and_keep_the_block_steps():
+    assert WHOLE.target_pass(1) == pytest.approx(150.11)
+    assert WHOLE.target_pass(16) == pytest.approx(190.75)
+    assert WHOLE.target_pass(17) - WHOLE.target_pass(16) > 98  # the second block shows
+    assert WHOLE.draft_pass(1) == pytest.approx(39.97) and WHOLE.draft(1) == 17.07
+    assert WHOLE.catch_up(118, whole_pass=True) == pytest.approx(117 * 1.744)
+    assert WHOLE.catch_up(118) == pytest.approx(WHOLE.draft(118) - WHOLE.draft(1))
+
+
+def test_costs_take_whole_passes_only_where_both_runners_timed_the_same_rows():
+    draft = {"forward_ms": {1: 17.0, 16: 41.0}, "pass_ms": {1: 40.0, 16: 107.0}}
+    target = {"forward_ms": {1: 124.0, 16: 123.0}, "pass_ms": {1: 150.0, 16: 191.0}}
+    assert Costs.from_calibrations(draft, target).pass_rows == (1, 16)
+    for other in ({1: 150.0, 8: 170.0}, None):
+        lacking = dict(target, pass_ms=other)
+        costs = Costs.from_calibrations(draft, lacking)
+        assert costs.pass_rows == () and costs.target_pass(16) == costs.target(16)
+
+
+def test_eight_requests_weighing_whole_passes_do_not_draft_a_long_prompt():
+    """Measured with 8 HumanEval prompts (118 tokens on average) on that machine: 64 greedy
+    tokens at K=1 took 18.0-18.3 s, at K=0 16.7-17.3. The draft's catch-up over the prompts
+    (1.7 s, 1.8 ms a row) and its 40-ms steps undo the verify's shared rows. The matmuls
+    alone price a draft row at 0.9 ms and a step at 17 ms, and draft."""
+    for whole_pass, k in ((False, 1), (True, 0)):
+        assert choose_k(6, 100, 88, WHOLE, concurrent=8, remaining=64, catch_up_rows=118,
+                        whole_pass=whole_pass) == k
+    alone = choose_k(6, 100, 88, WHOLE, remaining=64, catch_up_rows=118, whole_pass=True)
+    assert 3 <= alone < choose_k(6, 100, 88, WHOLE, remaining=64, catch_up_rows=118)
+
+
+def test_a_request_that_drafts_alone_pays_a_whole_draft_pass():
+    """In lockstep every request waits for the draft pass; one that drafts where the others
+    do not shares it with none. Measured: one of eight greedy requests (the shortest prompt)
+    drafted alone, the draft ran every step (39 ms), and the batch fell to 0.90x of K=0."""
+    for k in range(4):
+        assert round_ms(k, WHOLE, 8, True, drafting=8) == pytest.approx(round_ms(k, WHOLE, 8, True))
+    assert round_ms(1, WHOLE, 8, True, drafting=1) > round_ms(1, WHOLE, 8, True) + 25
+    caught_up = dict(concurrent=8, remaining=64, whole_pass=True)
+    assert choose_k(6, 100, 88, WHOLE, **caught_up) == 1
+    assert choose_k(6, 100, 88, WHOLE, drafting=1, **caught_up) == 0
+    assert choose_k(6, 100, 88, WHOLE, drafting=8, **caught_up) == 1
+
+
+def test_plan_k_drafts_alone_only_where_that_pays():
+    """A greedy request caught up at eight requests would draft where all do (`wants_draft`,
+    which its peers count), but with no peer that wants to it does not; a sampled standard
+    request's K ignores its peers, and it wants to draft exactly when it does."""
+    from specdec.generation import round_load
+
+    g = generation(WHOLE, prompt_len=118, max_tokens=64, temperature=0.0)
+    assert g.plan_k(8, drafting_peers=7) == 1 and g.wants_draft
+    assert g.plan_k(8, drafting_peers=0) == 0 and g.wants_draft
+    behind = generation(WHOLE, prompt_len=118, drafted_upto=0, max_tokens=64, temperature=0.0)
+    assert behind.plan_k(8, drafting_peers=7) == 0 and not behind.wants_draft
+    standard = generation(WHOLE, prompt_len=118, max_tokens=64)
+    k = standard.plan_k(8, drafting_peers=0)
+    assert k == standard.plan_k(1) >= 3 and standard.wants_draft
+    others = [generation(WHOLE) for _ in range(3)]
+    others[0].wants_draft = others[2].wants_draft = True
+    assert round_load(g, [g] + others) == (4, 2)
+    assert round_load(others[0], [g] + others) == (4, 2)  # g wants to; others[0] is not counted
+    assert round_load(g, []) == (1, None)
