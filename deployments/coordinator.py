@@ -128,6 +128,12 @@ class Coordinator:
                 costs = Costs(**{k: tuple(v) if isinstance(v, list) else v
                                  for k, v in self.config.k_costs.items()})
             else:
+                # A pool answers a call only once it has loaded. Both must have: a pool
+                # that times its passes while the other loads beside it on the same cores
+                # prices them several times too high (a one-row target pass timed at
+                # 1081 ms instead of ~150 when the first request came early).
+                await asyncio.gather(self.draft.cache_usage.remote(),
+                                     self.target.cache_usage.remote())
                 draft, target = await asyncio.gather(self.draft.calibration.remote(),
                                                      self.target.calibration.remote())
                 costs = Costs.from_calibrations(draft, target)

@@ -22,7 +22,7 @@ import torch
 
 from specdec import output as views
 from specdec import stopping
-from specdec.k_policy import choose_k
+from specdec.k_policy import MIN_GAIN, choose_k
 from specdec.admission import ModelInfo, admit
 from specdec.api_types import GenerateDelta, GenerateRequest, GenerateResult, TokenLogprob
 from specdec.packing import unpack_probs
@@ -96,7 +96,8 @@ class Generation:
         and the passes' timed costs: `concurrent` requests share this round's passes, and
         `drafting_peers` of the others want to draft (their `wants_draft`, None: all). A
         request that would draft where all do, but alone shares no draft pass, weighs
-        drafting alone. For the others K is a function of the request's own acceptance and
+        drafting alone. Such requests draft only for k_policy.MIN_GAIN, and not in their
+        first round. For the others K is a function of the request's own acceptance and
         the fixed cost table, never of load or timing."""
         left = self.params.max_tokens - len(self.output)
         room = self.info.max_context - len(self.prompt_ids) - len(self.output)
@@ -115,9 +116,16 @@ class Generation:
                          catch_up_rows=len(self.prompt_ids) + len(self.output) - self.drafted_upto)
         if not self.text_independent_of_k:
             return choose(), None
-        k = choose(concurrent, whole_pass=True)
+        choose = partial(choose, concurrent, whole_pass=True, min_gain=MIN_GAIN)
+        k = choose()
+        if not self.output:
+            # The first round is the prompt's prefill, planned before the requests that
+            # arrived with it are in rounds: it does not draft on a load it cannot see
+            # (through the service, the first of eight requests drafted as if alone, and
+            # the early ones went on drafting as a group: 0.83x of K=0).
+            return 0, k > 0
         if k and drafting_peers is not None:
-            return choose(concurrent, whole_pass=True, drafting=drafting_peers + 1), True
+            return choose(drafting=drafting_peers + 1), True
         return k, k > 0
 
     @property

@@ -82,23 +82,26 @@ def test_a_cancelled_caller_is_left_out_of_the_next_batch():
     assert pool.batches == [[0], [2]]
 
 
-def test_a_batch_waits_briefly_for_the_rest_of_the_last_batch():
-    """Four requests in rounds, each sending its next call a few ms after the last result
-    (as a coordinator does): every round after the first is one batch of four."""
+@pytest.mark.parametrize("requests, gap_s", [(4, 0.004), (8, 0.006)])
+def test_a_batch_waits_briefly_for_the_rest_of_the_last_batch(requests, gap_s):
+    """Requests in rounds, each sending its next call a few ms after the one before it (a
+    coordinator gets to each result in turn): every round after the first is one batch. At
+    eight, 42 ms from first to last is more than a quarter of the 100 ms pass, yet each
+    arrival shows the rest are on their way."""
 
     async def request(batcher, i, rounds):
         for r in range(rounds):
             await batcher.submit(i)
-            await asyncio.sleep(0.004 * i)  # this caller's own processing time
+            await asyncio.sleep(gap_s * i)
 
     async def main():
         pool = Pool(seconds=0.1)
         batcher = CallBatcher(pool.run, max_batch_size=16, wait_s=0.01)
-        await asyncio.gather(*(request(batcher, i, 4) for i in range(4)))
+        await asyncio.gather(*(request(batcher, i, 4) for i in range(requests)))
         return pool
 
     pool = asyncio.run(main())
-    assert [len(b) for b in pool.batches] == [4, 4, 4, 4]
+    assert [len(b) for b in pool.batches] == [requests] * 4
 
 
 def test_a_departed_request_costs_one_bounded_wait():

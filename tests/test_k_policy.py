@@ -4,15 +4,15 @@ import random
 
 import pytest
 
-from specdec.k_policy import (Costs, choose_k, expected_tokens, finish_ms, round_ms,
+from specdec.k_policy import (MIN_GAIN, Costs, choose_k, expected_tokens, finish_ms, round_ms,
                               running_acceptance)
 from specdec.rejection import SpecStats
 
 
 def generation(costs: Costs, prompt_len: int = 2, drafted_upto: int | None = None,
-               max_tokens: int = 100, **params):
-    """A request in rounds with 100 proposals tested, 88 accepted; its prompt in the draft
-    unless `drafted_upto` says otherwise."""
+               max_tokens: int = 100, output_len: int = 1, **params):
+    """A request in rounds with 100 proposals tested, 88 accepted and `output_len` tokens
+    out; its prompt and output in the draft unless `drafted_upto` says otherwise."""
     from types import SimpleNamespace
 
     from specdec.generation import Generation
@@ -21,9 +21,11 @@ def generation(costs: Costs, prompt_len: int = 2, drafted_upto: int | None = Non
 
     sp = SamplingParams(**dict(dict(temperature=0.6, max_tokens=max_tokens), **params))
     info = SimpleNamespace(max_context=4096, k_costs=costs)
-    return Generation("r", sp, RequestSampling(sp, [1] * prompt_len), 0, 6, info,
-                      adaptive_k=True, stats=SpecStats(tested=100, accepted=88),
-                      drafted_upto=prompt_len if drafted_upto is None else drafted_upto)
+    gen = Generation("r", sp, RequestSampling(sp, [1] * prompt_len), 0, 6, info,
+                     adaptive_k=True, stats=SpecStats(tested=100, accepted=88),
+                     drafted_upto=prompt_len + output_len if drafted_upto is None else drafted_upto)
+    gen.output.extend([7] * output_len)
+    return gen
 
 
 def test_expected_tokens_is_the_geometric_mean_length():
@@ -184,11 +186,11 @@ def test_plan_k_counts_the_tokens_the_draft_has_not_seen():
     """A request that ran rounds at K=0 owes the draft those tokens before it drafts again;
     one that drafted last round owes only that round's tokens."""
     g = generation(AMX, prompt_len=150, drafted_upto=0, max_tokens=64, temperature=0.0)
-    assert g.plan_k(8) == 0  # the prompt is not in the draft
+    assert g.plan_k(8) == 0  # the prompt and first token are not in the draft
     assert g.plan_k(1) >= 3
     g.draft_call(3)
-    assert g.drafted_upto == 150 and g.used_draft
-    g.output = [5, 6, 7]  # the round committed three tokens
+    assert g.drafted_upto == 151 and g.used_draft
+    g.output += [5, 6, 7]  # the round committed three tokens
     assert g.plan_k(8) == 1  # caught up but for them: K=1 pays at c=8
 
 
@@ -263,3 +265,39 @@ def test_plan_k_drafts_alone_only_where_that_pays():
     assert round_load(g, [g] + others) == (4, 2)
     assert round_load(others[0], [g] + others) == (4, 2)  # g wants to; others[0] is not counted
     assert round_load(g, []) == (1, None)
+
+
+# The service's pools on that machine timed their whole passes slower than in process.
+SERVICE = Costs.from_calibrations(
+    {"forward_ms": dict(zip(STEPPED_ROWS, STEPPED_DRAFT)), "pass_ms": {1: 37.54, 16: 109.11},
+     "prefill_row_ms": 1.807},
+    {"forward_ms": dict(zip(STEPPED_ROWS, STEPPED_TARGET)), "pass_ms": {1: 174.17, 16: 214.24}})
+
+
+def test_requests_weighing_load_draft_only_for_a_gain_the_table_can_promise():
+    """Eight greedy requests through the service with 118-token prompts: the table prices
+    K=1 3.9 % faster than K=0, and it ran 6-17 % slower. With MIN_GAIN they stay at K=0;
+    a request alone, or caught up, keeps the K the table chooses."""
+    behind = dict(concurrent=8, remaining=64, catch_up_rows=118, whole_pass=True)
+    assert choose_k(6, 100, 88, SERVICE, **behind) == 1
+    assert choose_k(6, 100, 88, SERVICE, min_gain=MIN_GAIN, **behind) == 0
+    for load in (dict(concurrent=1, catch_up_rows=118), dict(concurrent=8)):
+        args = dict(remaining=64, whole_pass=True, **load)
+        k = choose_k(6, 100, 88, SERVICE, **args)
+        assert k >= 1 and choose_k(6, 100, 88, SERVICE, min_gain=MIN_GAIN, **args) == k
+    greedy = generation(SERVICE, prompt_len=118, drafted_upto=0, max_tokens=64, temperature=0.0)
+    assert greedy.plan_k(8) == 0 and greedy.plan_k(1) >= 3
+    standard = generation(SERVICE, prompt_len=118, drafted_upto=0, max_tokens=64)
+    assert standard.plan_k(8) == choose_k(6, 100, 88, SERVICE, remaining=64, catch_up_rows=118)
+
+
+def test_the_first_round_of_a_request_that_may_weigh_load_does_not_draft():
+    """Its first round is the prompt's prefill, planned before the requests that arrived with
+    it are in rounds. It still says whether it wants to draft where all do (its peers count
+    that); a standard-mode request's K, a function of its own history, is the table's."""
+    greedy = generation(SERVICE, prompt_len=118, drafted_upto=0, output_len=0, temperature=0.0)
+    assert greedy.plan_k(1) == 0 and greedy.wants_draft
+    greedy.output.append(7)
+    assert greedy.plan_k(1) >= 3
+    standard = generation(SERVICE, prompt_len=118, drafted_upto=0, output_len=0)
+    assert standard.plan_k(1) == standard.plan_k(8) >= 3

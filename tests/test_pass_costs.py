@@ -31,3 +31,47 @@ def test_the_in_process_engine_prices_whole_passes(tiny_pair):
     engine = LocalEngine(*tiny_pair, dtype="float32", batch_invariant=True, adaptive_k=True)
     costs = engine.info.k_costs
     assert costs.pass_rows == PASS_ROWS and costs.draft_prefill_row_ms > 0
+
+
+class LoadingPool:
+    """A Serve handle's shape for one pool that answers once it has loaded (as a replica
+    still in __init__ does); `calibration` records whether the other pool had loaded."""
+
+    def __init__(self, loaded, other_loaded):
+        self.loaded, self.other_loaded, self.timed_beside_a_load = loaded, other_loaded, None
+        self.cache_usage = SimpleNamespace(remote=self._answer)
+        self.calibration = SimpleNamespace(remote=self._calibrate)
+
+    async def _answer(self):
+        await self.loaded.wait()
+        return {}
+
+    async def _calibrate(self):
+        await self.loaded.wait()
+        self.timed_beside_a_load = not self.other_loaded.is_set()
+        return {"forward_ms": {}}
+
+
+def test_the_coordinator_has_passes_timed_only_once_both_pools_have_loaded():
+    """The first request may reach the coordinator while the draft still loads: the
+    target must not time its passes beside that load."""
+    import asyncio
+
+    from deployments.config import AppConfig
+    from deployments.coordinator import Coordinator
+
+    async def main():
+        draft_loaded, target_loaded = asyncio.Event(), asyncio.Event()
+        target_loaded.set()
+        draft = LoadingPool(draft_loaded, target_loaded)
+        target = LoadingPool(target_loaded, draft_loaded)
+        coordinator = SimpleNamespace(
+            config=AppConfig(), draft=draft, target=target, info=SimpleNamespace(),
+            _k_costs_lock=asyncio.Lock(), _k_costs_loaded=False,
+        )
+        asyncio.get_running_loop().call_later(0.05, draft_loaded.set)
+        await Coordinator.func_or_class._load_k_costs(coordinator)
+        return draft, target
+
+    draft, target = asyncio.run(main())
+    assert (draft.timed_beside_a_load, target.timed_beside_a_load) == (False, False)
