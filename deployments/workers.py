@@ -104,14 +104,11 @@ class CallBatcher:
     async def _regroup(self) -> None:
         window = min(self.REGROUP * self._last_s, self.REGROUP_MAX_S)
         deadline = time.monotonic() + window
-        latest, waiting = deadline + window, len(self._waiting)
+        latest = deadline + window
         while len(self._waiting) < min(self._callers, self._max):
             now = time.monotonic()
             if self._cores_busy():
                 deadline, latest = max(deadline, now + window), max(latest, now + 2 * window)
-            elif len(self._waiting) > waiting:  # the rest are on their way: wait on, a while
-                deadline = max(deadline, min(now + window, latest))
-            waiting = len(self._waiting)
             left = deadline - now
             if left <= 0:
                 return
@@ -119,7 +116,9 @@ class CallBatcher:
             try:
                 await asyncio.wait_for(self._arrived.wait(), min(left, self.POLL_S))
             except asyncio.TimeoutError:
-                pass
+                continue
+            # a caller came: the rest are on their way, so wait on a while
+            deadline = max(deadline, min(time.monotonic() + window, latest))
 
     async def _run(self, batch) -> None:
         started, arrivals = time.monotonic(), self._arrivals

@@ -116,8 +116,8 @@ class Generation:
                          catch_up_rows=len(self.prompt_ids) + len(self.output) - self.drafted_upto)
         if not self.text_independent_of_k:
             return choose(), None
-        choose = partial(choose, concurrent, whole_pass=True, min_gain=MIN_GAIN)
-        k = choose()
+        weigh_load = partial(choose, concurrent, whole_pass=True, min_gain=MIN_GAIN)
+        k = weigh_load()
         if not self.output:
             # The first round is the prompt's prefill, planned before the requests that
             # arrived with it are in rounds: it does not draft on a load it cannot see
@@ -125,7 +125,7 @@ class Generation:
             # the early ones went on drafting as a group: 0.83x of K=0).
             return 0, k > 0
         if k and drafting_peers is not None:
-            return choose(drafting=drafting_peers + 1), True
+            return weigh_load(drafting=drafting_peers + 1), True
         return k, k > 0
 
     @property

@@ -1,5 +1,6 @@
 """Whole-pass costs timed at load (specdec.pass_costs), on the tiny pair."""
 
+import asyncio
 from types import SimpleNamespace
 
 from specdec.pass_costs import PASS_ROWS, with_pass_costs
@@ -55,8 +56,6 @@ class LoadingPool:
 def test_the_coordinator_has_passes_timed_only_once_both_pools_have_loaded():
     """The first request may reach the coordinator while the draft still loads: the
     target must not time its passes beside that load."""
-    import asyncio
-
     from deployments.config import AppConfig
     from deployments.coordinator import Coordinator
 
