@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Sequence
 
 import yaml
+
+from benchmarks.backends import RunStats
 
 
 CONFIG = Path(__file__).resolve().parent.parent / "ray_config.yaml"
 # The proposal vocabulary the comparison tries when the shipped draft keeps its whole head.
 OTHER_PROPOSAL_VOCAB = 32_768
+# How many times each batched cell runs, in turns with the others (interleaved_units).
+BATCH_RUNS = 2
 
 
 def shipped_config(path: Path = CONFIG):
@@ -55,6 +60,11 @@ def _row(outs, stats, **keys) -> dict:
                 texts=[o.token_ids if o.token_ids is not None else o.text for o in outs])
 
 
+def _add(total: RunStats, part: RunStats) -> None:
+    for f in ("wall_s", "first_step_s", "first_step_tokens"):
+        setattr(total, f, getattr(total, f) + getattr(part, f))
+
+
 def other_mode(default_drafter_invariant: bool) -> tuple[str, dict]:
     """The seeded mode a deployment does not default to: its cell name and request field."""
     if default_drafter_invariant:
@@ -62,32 +72,62 @@ def other_mode(default_drafter_invariant: bool) -> tuple[str, dict]:
     return "drafter-invariant", {"drafter_invariant": True}
 
 
+def interleaved_units(cells: int, units: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """The order the cells of one setting and concurrency run in: (cell, request indices).
+
+    Cells are compared by ratios, and a shared machine drifts by 10-15 % from one minute to
+    the next (measured on a 2-core VM: the same kernels ran 1.00-1.18x apart as consecutive
+    cells). So the cells take turns unit by unit (a prompt, or a whole batch), and drift
+    falls on all of them alike. Each turn reverses the order of the one before (A B C,
+    C B A, ...), so a steady drift does not favour the cell that goes first."""
+    order = []
+    for turn, unit in enumerate(units):
+        cell_order = range(cells) if turn % 2 == 0 else reversed(range(cells))
+        order += [(cell, unit) for cell in cell_order]
+    return order
+
+
 def measure_cells(backend, prompt_ids, settings, *, single: int, batch: int, max_tokens: int,
-                  seed0: int, invariant: bool, adaptive_k: bool, drafter_invariant: bool,
-                  other: bool = True, progress=None) -> list[dict]:
+                  seed0: int, invariants: Sequence[bool], adaptive_k: bool,
+                  drafter_invariant: bool, set_invariant=None, repeats: int = BATCH_RUNS,
+                  progress=None) -> list[dict]:
     """Target-only and speculative cells (requests leave K and the mode to the deployment,
     whose default mode is `drafter_invariant`), one at a time (`single` prompts) and in one
-    batch of `batch`; with `other`, sampled settings also run the other mode (standard or
-    drafter-invariant) at both concurrencies. `backend`: in process or over HTTP
-    (benchmarks.backends)."""
+    batch of `batch` (run `repeats` times); sampled settings also run the other mode
+    (standard or drafter-invariant) under the first of `invariants`. Every cell runs under
+    each of `invariants`, switched by `set_invariant(bool)` (None: the backend's only
+    mode). The cells of a setting and concurrency take turns (interleaved_units).
+    `backend`: in process or over HTTP (benchmarks.backends)."""
     rows = []
     for s in settings:
-        for c, n in ((1, single), (batch, batch)):
-            cells = [("target-only", 0, None), ("speculative", None, None)]
-            if other and not s.greedy:
-                name, field = other_mode(drafter_invariant)
-                cells.append((name, None, field))
-            for mode, k, extra in cells:
-                reqs = _requests(prompt_ids[:n], s.params, k=k, max_tokens=max_tokens,
-                                 seed0=seed0, extra=extra)
-                cb = progress(f"shipped inv={invariant} {s.label} {mode} c={c}",
-                              len(reqs) * max_tokens) if progress else None
-                outs, stats = backend.run(reqs, c, progress=cb)
-                rows.append(_row(outs, stats, batch_invariant=invariant, setting=s.key,
+        cells = [(inv, "target-only", 0, None) for inv in invariants]
+        cells += [(inv, "speculative", None, None) for inv in invariants]
+        if not s.greedy:
+            name, field = other_mode(drafter_invariant)
+            cells.append((invariants[0], name, None, field))
+        one_by_one = [[i] for i in range(single)]
+        for c, turns, runs in ((1, one_by_one, 1), (batch, [list(range(batch))] * repeats, repeats)):
+            reqs = [_requests(prompt_ids[:max(single, batch)], s.params, k=k,
+                              max_tokens=max_tokens, seed0=seed0, extra=extra)
+                    for _, _, k, extra in cells]
+            outs, stats = [[] for _ in cells], [RunStats() for _ in cells]
+            units = interleaved_units(len(cells), turns)
+            cb = progress(f"shipped {s.label} c={c} ({len(cells)} cells)",
+                          sum(len(u) for _, u in units) * max_tokens) if progress else None
+            for cell, unit in units:
+                if set_invariant is not None:
+                    set_invariant(cells[cell][0])
+                o, st = backend.run([reqs[cell][i] for i in unit], c, progress=cb)
+                outs[cell] += o
+                _add(stats[cell], st)
+            for (inv, mode, k, extra), o, st in zip(cells, outs, stats):
+                rows.append(_row(o, st, batch_invariant=inv, setting=s.key,
                                  setting_label=s.label, concurrency=c, mode=mode,
                                  k="adaptive" if k is None and adaptive_k else k,
+                                 runs=runs,
                                  drafter_invariant=(extra or {}).get("drafter_invariant",
                                                                      drafter_invariant)))
+    rows.sort(key=lambda r: invariants.index(r["batch_invariant"]))  # the report's order
     return rows
 
 
@@ -95,7 +135,8 @@ def compare_proposal_vocab(backend, prompt_ids, settings, *, single: int, max_to
                            seed0: int, shipped_vocab: int | None, progress=None) -> list[dict]:
     """The speculative cells at concurrency 1 again with a draft whose vocabulary head is
     the other choice (whole when the shipped draft is pruned, OTHER_PROPOSAL_VOCAB ids when
-    it is whole), on the same engine: acceptance and tokens/s of the two heads."""
+    it is whole), on the same engine, taking turns prompt by prompt with the shipped draft
+    (interleaved_units): acceptance and tokens/s of the two heads."""
     from dataclasses import replace
 
     from benchmarks.backends import _TimedRunner
@@ -109,22 +150,33 @@ def compare_proposal_vocab(backend, prompt_ids, settings, *, single: int, max_to
     other = _TimedRunner(ModelRunner(shipped.runner.model_dir, dtype=shipped.runner.model.format,
                                      batch_invariant=shipped.runner.batch_invariant,
                                      proposal_vocab=vocab))
-    engine.draft = backend.draft = other
+    other_info = info
     if info.k_costs:  # adaptive K from this draft's own measured cost, the target's as is
         target = dict(engine.target.calibration(),
                       pass_ms=dict(zip(info.k_costs.pass_rows, info.k_costs.target_pass_ms)))
-        engine.info = replace(info, k_costs=Costs.from_calibrations(
+        other_info = replace(info, k_costs=Costs.from_calibrations(
             with_pass_costs(other.runner, draft=True), target))
+    drafts = [(shipped, info), (other, other_info)]  # the shipped draft runs again beside it
     rows = []
     try:
         for s in settings:
             reqs = _requests(prompt_ids[:single], s.params, k=None, max_tokens=max_tokens, seed0=seed0)
             cb = progress(f"draft vocabulary {vocab or 'whole'} {s.label}",
-                          len(reqs) * max_tokens) if progress else None
-            outs, stats = backend.run(reqs, 1, progress=cb)
-            rows.append(_row(outs, stats, setting=s.key, setting_label=s.label, concurrency=1,
-                             proposal_vocab=other.proposal_vocab or "whole",
-                             drafter_invariant=info.default_drafter_invariant))
+                          2 * len(reqs) * max_tokens) if progress else None
+            outs, stats = [[], []], [RunStats(), RunStats()]
+            for d, unit in interleaved_units(2, [[i] for i in range(single)]):
+                engine.draft, engine.info = drafts[d]
+                backend.draft = engine.draft
+                o, st = backend.run([reqs[i] for i in unit], 1, progress=cb)
+                outs[d] += o
+                _add(stats[d], st)
+            twin = _row(outs[0], stats[0])
+            rows.append(_row(outs[1], stats[1], setting=s.key, setting_label=s.label,
+                             concurrency=1, proposal_vocab=other.proposal_vocab or "whole",
+                             drafter_invariant=info.default_drafter_invariant,
+                             vs_shipped_draft=stats[0].wall_s / stats[1].wall_s
+                             * sum(o.num_tokens for o in outs[1]) / twin["tokens"],
+                             shipped_acceptance_rate=twin["acceptance_rate"]))
     finally:
         engine.draft, backend.draft, engine.info = shipped, shipped, info
     return rows
@@ -148,18 +200,19 @@ def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *,
     calibration = {"draft": engine.draft.calibration(), "target": engine.target.calibration(),
                    "k_costs": engine.info.k_costs.to_dict() if engine.info.k_costs else None}
     shipped_inv = cfg.target.batch_invariant
-    rows = []
     backend.run(_requests(prompt_ids[:1], {"temperature": 1.0}, k=None, max_tokens=4, seed0=0), 1)
-    for invariant in (shipped_inv, not shipped_inv):
+
+    def set_invariant(on: bool) -> None:
         for runner in (engine.draft, engine.target):
-            runner.set_batch_invariant(invariant)
-        rows += measure_cells(backend, prompt_ids, settings, single=single, batch=batch,
-                              max_tokens=max_tokens, seed0=seed0, invariant=invariant,
-                              adaptive_k=cfg.adaptive_k, drafter_invariant=cfg.drafter_invariant,
-                              other=invariant == shipped_inv,
-                              progress=progress)
-    for runner in (engine.draft, engine.target):
-        runner.set_batch_invariant(shipped_inv)
+            if runner.batch_invariant != on:
+                runner.set_batch_invariant(on)
+
+    rows = measure_cells(backend, prompt_ids, settings, single=single, batch=batch,
+                         max_tokens=max_tokens, seed0=seed0,
+                         invariants=(shipped_inv, not shipped_inv), set_invariant=set_invariant,
+                         adaptive_k=cfg.adaptive_k, drafter_invariant=cfg.drafter_invariant,
+                         progress=progress)
+    set_invariant(shipped_inv)
     ratios(rows, shipped_inv)
     vocab_rows = compare_proposal_vocab(backend, prompt_ids, settings, single=single,
                                         max_tokens=max_tokens, seed0=seed0,
@@ -174,20 +227,20 @@ def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *,
                        "batch_invariant": shipped_inv, "adaptive_k": cfg.adaptive_k,
                        "num_speculative_tokens": cfg.num_speculative_tokens,
                        "drafter_invariant": cfg.drafter_invariant,
-                       "max_tokens": max_tokens, "single_prompts": single, "batch": batch},
+                       "max_tokens": max_tokens, "single_prompts": single, "batch": batch,
+                       "batch_runs": BATCH_RUNS},
             "engine": describe, "calibration": calibration, "rows": rows,
             "proposal_vocab_rows": vocab_rows}
 
 
 def vocab_ratios(vocab_rows: list[dict], rows: list[dict], shipped_inv: bool) -> None:
-    """Each other-head cell against the shipped draft's and target-only, same setting, c=1."""
+    """Each other-head cell against target-only (same setting, c=1) and its texts against
+    target-only's; against the shipped draft it was measured beside (compare_proposal_vocab)."""
     for r in vocab_rows:
         def cell(mode):
             return next(x for x in rows if x["batch_invariant"] == shipped_inv and x["concurrency"] == 1
                         and x["setting"] == r["setting"] and x["mode"] == mode)
         r["speedup"] = r["tokens_per_s"] / cell("target-only")["tokens_per_s"]
-        r["vs_shipped_draft"] = r["tokens_per_s"] / cell("speculative")["tokens_per_s"]
-        r["shipped_acceptance_rate"] = cell("speculative")["acceptance_rate"]
         if r["setting"] == "greedy" or r["drafter_invariant"]:
             base = cell("target-only")["texts"]
             r["same_text"] = sum(a == b for a, b in zip(r["texts"], base))
@@ -223,7 +276,9 @@ def markdown(section: dict, hf: dict | None = None) -> list[str]:
              f"{cfg['num_speculative_tokens']}; requests that leave the mode unset run "
              f"{'drafter-invariant' if cfg.get('drafter_invariant') else 'standard'} "
              f"(`speculative`); {cfg['max_tokens']} tokens per request, "
-             f"{cfg['single_prompts']} prompts one at a time, {cfg['batch']} in one batch",
+             f"{cfg['single_prompts']} prompts one at a time, {cfg['batch']} in one batch "
+             f"(run {cfg.get('batch_runs', 1)} times); the cells of a setting take turns prompt by "
+             "prompt and batch by batch, so a machine's drift falls on all alike",
              f"- target kernels: {cal['target']['kernels']}; attention "
              f"{cal['target'].get('attention', 'torch')}",
              f"- target matmul estimate (ms at rows): {cal['target']['forward_ms']}; invariance "

@@ -126,7 +126,7 @@ def measure(args, startup: dict) -> dict:
     warm_up(backend, ids, args)
     rows = measure_cells(backend, ids, settings, single=args.prompts, batch=args.batch,
                          max_tokens=args.max_tokens, seed0=1234,
-                         invariant=cfg.target.batch_invariant, adaptive_k=cfg.adaptive_k,
+                         invariants=(cfg.target.batch_invariant,), adaptive_k=cfg.adaptive_k,
                          drafter_invariant=cfg.drafter_invariant)
     ratios(rows, cfg.target.batch_invariant)
     for r in rows:

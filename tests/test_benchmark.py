@@ -217,3 +217,65 @@ def test_benchmark_over_http(tiny_pair, tmp_path):
     assert report["guard"]["exact_first_probs"]
     assert not report["guard"]["fixed_mismatch"] and report["guard"]["control_detected"]
     assert report["transformers"] is None  # a remote app: no in-process baseline
+
+
+class _DriftingBackend:
+    """A backend whose machine slows down with every request it runs (the drift of a shared
+    VM), logging which cell ran which requests under which invariance."""
+
+    def __init__(self):
+        from benchmarks.backends import Output, RunStats
+
+        self.Output, self.RunStats = Output, RunStats
+        self.log, self.invariant, self.served = [], None, 0
+
+    def run(self, requests, concurrency, progress=None):
+        outs = []
+        for r in requests:
+            sp = r["sampling_params"]
+            outs.append(self.Output(num_tokens=sp["max_tokens"], text="", seed=sp["seed"],
+                                    speculation={}, token_ids=[1, 2]))
+        self.log.append((self.invariant, sp.get("num_speculative_tokens"),
+                         sp.get("drafter_invariant"), [r["sampling_params"]["seed"] for r in requests]))
+        wall = 0.0
+        for _ in requests:
+            self.served += 1
+            wall += 1.0 + 0.05 * self.served  # each request 5 % slower than the one before
+        return outs, self.RunStats(wall_s=wall)
+
+
+def test_shipped_cells_take_turns_so_drift_falls_on_all_alike():
+    """Cells that cost the same measure the same ratio on a drifting machine: they take
+    turns prompt by prompt (one at a time) and batch by batch, each turn in the reverse order
+    of the one before; run cell by cell, the cell that goes last would look ~1.7x slower."""
+    from benchmarks.shipped import interleaved_units, measure_cells, ratios
+
+    assert interleaved_units(3, [[0], [1]]) == [(0, [0]), (1, [0]), (2, [0]),
+                                               (2, [1]), (1, [1]), (0, [1])]
+    backend = _DriftingBackend()
+
+    def set_invariant(on):
+        backend.invariant = on
+
+    rows = measure_cells(backend, [[5]] * 4, [parse_setting("t0.6p0.9")], single=4, batch=2,
+                         max_tokens=8, seed0=100, invariants=(True, False),
+                         set_invariant=set_invariant, adaptive_k=True, drafter_invariant=True,
+                         repeats=2)
+    ratios(rows, True)
+    one = [(inv, k, mode) for inv, k, mode, seeds in backend.log if len(seeds) == 1]
+    # one at a time: all five cells run prompt i (seed 100 + i) before any runs prompt i + 1
+    seeds = [s[0] for *_, s in backend.log if len(s) == 1]
+    assert seeds == [100] * 5 + [101] * 5 + [102] * 5 + [103] * 5
+    assert one[:5] == one[5:10][::-1] and len(set(one[:5])) == 5
+    # the invariance is switched for the cell that runs, and the standard mode runs once
+    assert {(inv, k) for inv, k, _, _ in backend.log} == {(True, 0), (False, 0), (True, None),
+                                                          (False, None)}
+    batches = [x for x in backend.log if len(x[3]) == 2]
+    assert len(batches) == 5 * 2 and batches[:5] == batches[5:][::-1]
+    by_cell = {(r["batch_invariant"], r["concurrency"], r["mode"]): r for r in rows}
+    assert by_cell[(True, 2, "target-only")]["requests"] == 4  # two runs of the batch
+    for r in rows:  # the same cost per request: the same speed, whatever the order
+        assert r["speedup"] == pytest.approx(1.0, rel=0.02), r
+        if r["batch_invariant"] and r["mode"] != "standard":
+            assert r["vs_other_mode"] == pytest.approx(1.0, rel=0.02)
+    assert [r["batch_invariant"] for r in rows] == [True] * 6 + [False] * 4  # report order
