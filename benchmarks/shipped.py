@@ -14,7 +14,7 @@ from typing import Sequence
 
 import yaml
 
-from benchmarks.backends import RunStats
+from benchmarks.backends import LocalBackend, RunStats
 
 
 CONFIG = Path(__file__).resolve().parent.parent / "ray_config.yaml"
@@ -171,30 +171,32 @@ def compare_proposal_vocab(backend, prompt_ids, settings, *, single: int, max_to
                 outs[d] += o
                 _add(stats[d], st)
             twin = _row(outs[0], stats[0])
-            rows.append(_row(outs[1], stats[1], setting=s.key, setting_label=s.label,
-                             concurrency=1, proposal_vocab=other.proposal_vocab or "whole",
-                             drafter_invariant=info.default_drafter_invariant,
-                             vs_shipped_draft=stats[0].wall_s / stats[1].wall_s
-                             * sum(o.num_tokens for o in outs[1]) / twin["tokens"],
-                             shipped_acceptance_rate=twin["acceptance_rate"]))
+            row = _row(outs[1], stats[1], setting=s.key, setting_label=s.label, concurrency=1,
+                       proposal_vocab=other.proposal_vocab or "whole",
+                       drafter_invariant=info.default_drafter_invariant,
+                       shipped_acceptance_rate=twin["acceptance_rate"])
+            rows.append(dict(row, vs_shipped_draft=row["tokens_per_s"] / twin["tokens_per_s"]))
     finally:
         engine.draft, backend.draft, engine.info = shipped, shipped, info
     return rows
+
+
+def shipped_backend(draft_dir, target_dir, cfg):
+    """The in-process engine as `cfg` (an AppConfig, shipped_config()) deploys it."""
+    return LocalBackend(draft_dir, target_dir, dtype=cfg.target.dtype,
+                        batch_invariant=cfg.target.batch_invariant, adaptive_k=cfg.adaptive_k,
+                        num_speculative_tokens=cfg.num_speculative_tokens,
+                        proposal_vocab=cfg.draft.proposal_vocab,
+                        drafter_invariant=cfg.drafter_invariant)
 
 
 def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *, single: int,
                 batch: int, max_tokens: int, seed0: int, progress=None, config_path: Path = CONFIG) -> dict:
     """settings: benchmarks.run.Setting list. single: prompts run one at a time; batch: the
     concurrency (and number of prompts) of the batched cells."""
-    from benchmarks.backends import LocalBackend
-
     cfg = shipped_config(config_path)
     t0 = time.perf_counter()
-    backend = LocalBackend(draft_dir, target_dir, dtype=cfg.target.dtype,
-                           batch_invariant=cfg.target.batch_invariant, adaptive_k=cfg.adaptive_k,
-                           num_speculative_tokens=cfg.num_speculative_tokens,
-                           proposal_vocab=cfg.draft.proposal_vocab,
-                           drafter_invariant=cfg.drafter_invariant)
+    backend = shipped_backend(draft_dir, target_dir, cfg)
     load_s = time.perf_counter() - t0
     engine = backend.engine
     calibration = {"draft": engine.draft.calibration(), "target": engine.target.calibration(),

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import prompts  # noqa: E402
-from benchmarks.backends import HttpBackend, LocalBackend  # noqa: E402
-from benchmarks.shipped import _requests, interleaved_units, shipped_config  # noqa: E402
+from benchmarks.backends import HttpBackend  # noqa: E402
+from benchmarks.shipped import _requests, interleaved_units, shipped_backend, shipped_config  # noqa: E402
 from specdec.model_pair import ensure_default_pair  # noqa: E402
 
 
@@ -33,11 +33,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = shipped_config()
-    local = LocalBackend(*ensure_default_pair(), dtype=cfg.target.dtype,
-                         batch_invariant=cfg.target.batch_invariant, adaptive_k=cfg.adaptive_k,
-                         num_speculative_tokens=cfg.num_speculative_tokens,
-                         proposal_vocab=cfg.draft.proposal_vocab,
-                         drafter_invariant=cfg.drafter_invariant)
+    local = shipped_backend(*ensure_default_pair(), cfg)
     service = HttpBackend(args.url, local.tokenizer)
     ids = [local.tokenizer(p.text)["input_ids"] for p in prompts.load_humaneval(args.prompts)]
     params = {"temperature": args.temperature}
