@@ -20,6 +20,7 @@ from benchmarks.backends import LocalBackend, RunStats
 CONFIG = Path(__file__).resolve().parent.parent / "ray_config.yaml"
 # The proposal vocabulary the comparison tries when the shipped draft keeps its whole head.
 OTHER_PROPOSAL_VOCAB = 32_768
+IN_PROCESS = "in process"  # the place of the in-process cells (measure_cells)
 # How many times each batched cell runs, in turns with the others (interleaved_units).
 BATCH_RUNS = 2
 
@@ -87,47 +88,51 @@ def interleaved_units(cells: int, units: list[list[int]]) -> list[tuple[int, lis
     return order
 
 
-def measure_cells(backend, prompt_ids, settings, *, single: int, batch: int, max_tokens: int,
-                  seed0: int, invariants: Sequence[bool], adaptive_k: bool,
+def measure_cells(backends: dict, prompt_ids, settings, *, single: int, batch: int,
+                  max_tokens: int, seed0: int, invariants: Sequence[bool], adaptive_k: bool,
                   drafter_invariant: bool, set_invariant=None, repeats: int = BATCH_RUNS,
                   progress=None) -> list[dict]:
     """Target-only and speculative cells (requests leave K and the mode to the deployment,
     whose default mode is `drafter_invariant`), one at a time (`single` prompts) and in one
     batch of `batch` (run `repeats` times); sampled settings also run the other mode
-    (standard or drafter-invariant) under the first of `invariants`. Every cell runs under
-    each of `invariants`, switched by `set_invariant(bool)` (None: the backend's only
-    mode). The cells of a setting and concurrency take turns (interleaved_units).
-    `backend`: in process or over HTTP (benchmarks.backends)."""
+    (standard or drafter-invariant) under the first of `invariants`. Every cell runs in each
+    of `backends` ({place: backend}, in process or over HTTP: benchmarks.backends) and under
+    each of `invariants`, switched by `set_invariant(bool)` (None: the backends' only mode).
+    The cells of a setting and concurrency take turns (interleaved_units)."""
     rows = []
     for s in settings:
-        cells = [(inv, "target-only", 0, None) for inv in invariants]
-        cells += [(inv, "speculative", None, None) for inv in invariants]
-        if not s.greedy:
-            name, field = other_mode(drafter_invariant)
-            cells.append((invariants[0], name, None, field))
+        cells = []
+        for place in backends:
+            cells += [(place, inv, "target-only", 0, None) for inv in invariants]
+            cells += [(place, inv, "speculative", None, None) for inv in invariants]
+            if not s.greedy:
+                name, field = other_mode(drafter_invariant)
+                cells.append((place, invariants[0], name, None, field))
         one_by_one = [[i] for i in range(single)]
         for c, turns, runs in ((1, one_by_one, 1), (batch, [list(range(batch))] * repeats, repeats)):
             reqs = [_requests(prompt_ids[:max(single, batch)], s.params, k=k,
                               max_tokens=max_tokens, seed0=seed0, extra=extra)
-                    for _, _, k, extra in cells]
+                    for *_, k, extra in cells]
             outs, stats = [[] for _ in cells], [RunStats() for _ in cells]
             units = interleaved_units(len(cells), turns)
             cb = progress(f"shipped {s.label} c={c} ({len(cells)} cells)",
                           sum(len(u) for _, u in units) * max_tokens) if progress else None
             for cell, unit in units:
+                place, inv = cells[cell][:2]
                 if set_invariant is not None:
-                    set_invariant(cells[cell][0])
-                o, st = backend.run([reqs[cell][i] for i in unit], c, progress=cb)
+                    set_invariant(inv)
+                o, st = backends[place].run([reqs[cell][i] for i in unit], c, progress=cb)
                 outs[cell] += o
                 _add(stats[cell], st)
-            for (inv, mode, k, extra), o, st in zip(cells, outs, stats):
-                rows.append(_row(o, st, batch_invariant=inv, setting=s.key,
+            for (place, inv, mode, k, extra), o, st in zip(cells, outs, stats):
+                rows.append(_row(o, st, place=place, batch_invariant=inv, setting=s.key,
                                  setting_label=s.label, concurrency=c, mode=mode,
                                  k="adaptive" if k is None and adaptive_k else k,
                                  runs=runs,
                                  drafter_invariant=(extra or {}).get("drafter_invariant",
                                                                      drafter_invariant)))
-    rows.sort(key=lambda r: invariants.index(r["batch_invariant"]))  # the report's order
+    places = list(backends)
+    rows.sort(key=lambda r: (places.index(r["place"]), invariants.index(r["batch_invariant"])))
     return rows
 
 
@@ -209,7 +214,7 @@ def run_shipped(draft_dir, target_dir, prompt_ids: list[list[int]], settings, *,
             if runner.batch_invariant != on:
                 runner.set_batch_invariant(on)
 
-    rows = measure_cells(backend, prompt_ids, settings, single=single, batch=batch,
+    rows = measure_cells({IN_PROCESS: backend}, prompt_ids, settings, single=single, batch=batch,
                          max_tokens=max_tokens, seed0=seed0,
                          invariants=(shipped_inv, not shipped_inv), set_invariant=set_invariant,
                          adaptive_k=cfg.adaptive_k, drafter_invariant=cfg.drafter_invariant,
@@ -249,13 +254,14 @@ def vocab_ratios(vocab_rows: list[dict], rows: list[dict], shipped_inv: bool) ->
 
 
 def ratios(rows: list[dict], shipped_inv: bool) -> None:
-    """speedup (vs target-only of the same cell), texts equal to target-only's (greedy and
-    drafter-invariant cells), vs the other batch-invariance setting."""
+    """speedup (vs target-only of the same cell and place), texts equal to target-only's
+    (greedy and drafter-invariant cells), vs the other batch-invariance setting, and (cells
+    of another place, e.g. the service) vs the same cell in process."""
     def find(**keys):
         return next((r for r in rows if all(r[k] == v for k, v in keys.items())), None)
 
     for r in rows:
-        base = find(batch_invariant=r["batch_invariant"], setting=r["setting"],
+        base = find(place=r["place"], batch_invariant=r["batch_invariant"], setting=r["setting"],
                     concurrency=r["concurrency"], mode="target-only")
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         if r["decode_tokens_per_s"] and base["decode_tokens_per_s"]:
@@ -263,10 +269,15 @@ def ratios(rows: list[dict], shipped_inv: bool) -> None:
         if r["mode"] != "target-only" and (r["setting"] == "greedy" or r["drafter_invariant"]):
             # greedy and drafter-invariant texts must be the target-only texts of their seeds
             r["same_text"] = sum(a == b for a, b in zip(r["texts"], base["texts"]))
-        other = find(batch_invariant=not r["batch_invariant"], setting=r["setting"],
-                     concurrency=r["concurrency"], mode=r["mode"])
+        other = find(place=r["place"], batch_invariant=not r["batch_invariant"],
+                     setting=r["setting"], concurrency=r["concurrency"], mode=r["mode"])
         if r["batch_invariant"] == shipped_inv and other:
             r["vs_other_mode"] = r["tokens_per_s"] / other["tokens_per_s"]
+        in_process = find(place=IN_PROCESS, batch_invariant=r["batch_invariant"],
+                          setting=r["setting"], concurrency=r["concurrency"], mode=r["mode"])
+        if r["place"] != IN_PROCESS and in_process:
+            r["in_process_tokens_per_s"] = in_process["tokens_per_s"]
+            r["vs_in_process"] = r["tokens_per_s"] / in_process["tokens_per_s"]
 
 
 def markdown(section: dict, hf: dict | None = None) -> list[str]:

@@ -1,14 +1,17 @@
 """The service's speed (docs/serve_speed.md), in one run: start `serve run <config>`,
 time it to the first answer (with the environment of `./run.sh serve`, cluster/cpu_node.env),
-then run the benchmark's shipped-configuration cells over HTTP
+then run the benchmark's shipped-configuration cells over HTTP and in process, side by side
 (benchmarks.shipped.measure_cells: 12 HumanEval prompts one at a time and 8 at once, 64
-tokens, target-only vs the configured speculation, greedy and T=0.6 / top_p=0.9) and set
-them beside the in-process figures of a benchmark run (`--in-process`, its results.json).
+tokens, target-only vs the configured speculation, greedy and T=0.6 / top_p=0.9). The
+in-process engine (the shipped configuration, loaded in this script's process) and the
+service take turns prompt by prompt and batch by batch, so "service / in process" compares
+one machine, not two runs minutes apart on a VM whose speed drifts.
 
-    .venv/bin/python scripts/serve_speed.py --out docs/serve_speed \
-        --in-process docs/benchmark/results.json
+    .venv/bin/python scripts/serve_speed.py --out docs/serve_speed
 
-Writes <out>/results.json, <out>/report.md and <out>/startup.json."""
+Writes <out>/results.json, <out>/report.md and <out>/startup.json.
+`--no-in-process`: the service's cells only (a node whose accelerator the service holds).
+"""
 
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ def main() -> int:
     p.add_argument("--config", default="ray_config.yaml")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--out", default="results/serve_speed")
-    p.add_argument("--in-process", help="a benchmark results.json whose shipped section to compare")
+    p.add_argument("--no-in-process", action="store_true",
+                   help="do not load the engine in process beside the service")
     p.add_argument("--prompts", type=int, default=12, help="HumanEval prompts one at a time")
     p.add_argument("--batch", type=int, default=8, help="HumanEval prompts at once")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -115,52 +119,49 @@ def measure(args, startup: dict) -> dict:
     from benchmarks import prompts
     from benchmarks.backends import HttpBackend
     from benchmarks.run import machine_info, parse_setting
-    from benchmarks.shipped import measure_cells, ratios, shipped_config
+    from benchmarks.shipped import IN_PROCESS, measure_cells, ratios, shipped_backend, shipped_config
     from specdec.model_pair import ensure_default_pair
 
     cfg = shipped_config(ROOT / args.config)
-    tok = AutoTokenizer.from_pretrained(str(ensure_default_pair()[1]))
+    pair = ensure_default_pair()
+    tok = AutoTokenizer.from_pretrained(str(pair[1]))
     ids = [tok(p.text)["input_ids"] for p in prompts.load_humaneval(max(args.prompts, args.batch))]
-    backend = HttpBackend(args.url, tok)
+    backends = {"service": HttpBackend(args.url, tok)}
+    if not args.no_in_process:
+        backends[IN_PROCESS] = shipped_backend(*pair, cfg)
     settings = [parse_setting(x) for x in args.settings.split(",")]
-    warm_up(backend, ids, args)
-    rows = measure_cells(backend, ids, settings, single=args.prompts, batch=args.batch,
+    for backend in backends.values():
+        warm_up(backend, ids, args)
+    rows = measure_cells(backends, ids, settings, single=args.prompts, batch=args.batch,
                          max_tokens=args.max_tokens, seed0=1234,
                          invariants=(cfg.target.batch_invariant,), adaptive_k=cfg.adaptive_k,
                          drafter_invariant=cfg.drafter_invariant)
     ratios(rows, cfg.target.batch_invariant)
     for r in rows:
         del r["texts"]
-    if args.in_process:
-        local = json.loads(Path(args.in_process).read_text()).get("shipped") or {"rows": []}
-        for r in rows:
-            twin = next((x for x in local["rows"] if all(x[k] == r[k] for k in
-                         ("batch_invariant", "setting", "concurrency", "mode"))), None)
-            if twin:
-                r["in_process_tokens_per_s"] = twin["tokens_per_s"]
-                r["vs_in_process"] = r["tokens_per_s"] / twin["tokens_per_s"]
     return {"startup": startup, "machine": machine_info(), "config": args.config,
             "max_tokens": args.max_tokens, "rows": rows}
 
 
 def markdown(report: dict) -> list[str]:
-    lines = [f"# Through the service ({report['config']})", "",
+    lines = [f"# Through the service ({report['config']}), beside the engine in process", "",
              f"- machine: {report['machine']}",
              f"- serve run to first answer: {report['startup']['serve_run_to_first_answer_s']} s",
              f"- Ray / Serve environment: {report['startup'].get('node_env', 'Ray defaults')}",
-             f"- {report['max_tokens']} tokens per request", "",
-             "| setting | c | mode | tok/s | vs target-only | acceptance | mean K | in process tok/s "
+             f"- {report['max_tokens']} tokens per request; the service's cells and the same "
+             "cells in process (the shipped configuration loaded beside the service) take turns "
+             "prompt by prompt and batch by batch", "",
+             "| place | setting | c | mode | tok/s | vs target-only | acceptance | mean K "
              "| service / in process | text = target-only |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         def f(x, fmt="{:.2f}"):
             return "" if x is None else fmt.format(x)
         same = f"{r['same_text']}/{r['requests']}" if "same_text" in r else ""
-        lines.append(f"| {r['setting_label']} | {r['concurrency']} | {r['mode']} | "
+        lines.append(f"| {r['place']} | {r['setting_label']} | {r['concurrency']} | {r['mode']} | "
                      f"{r['tokens_per_s']:.2f} | {f(r.get('speedup'), '{:.2f}x')} | "
                      f"{f(r['acceptance_rate'])} | {f(r['mean_k'])} | "
-                     f"{f(r.get('in_process_tokens_per_s'))} | {f(r.get('vs_in_process'), '{:.2f}x')} | "
-                     f"{same} |")
+                     f"{f(r.get('vs_in_process'), '{:.2f}x')} | {same} |")
     return lines
 
 

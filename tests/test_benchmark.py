@@ -221,13 +221,14 @@ def test_benchmark_over_http(tiny_pair, tmp_path):
 
 class _DriftingBackend:
     """A backend whose machine slows down with every request it runs (the drift of a shared
-    VM), logging which cell ran which requests under which invariance."""
+    VM), logging which cell ran which requests under which invariance. Backends built with
+    the same `machine` (a one-item list: requests served) drift together."""
 
-    def __init__(self):
+    def __init__(self, machine=None, cost=1.0):
         from benchmarks.backends import Output, RunStats
 
         self.Output, self.RunStats = Output, RunStats
-        self.log, self.invariant, self.served = [], None, 0
+        self.log, self.invariant, self.machine, self.cost = [], None, machine or [0], cost
 
     def run(self, requests, concurrency, progress=None):
         outs = []
@@ -239,8 +240,8 @@ class _DriftingBackend:
                          sp.get("drafter_invariant"), [r["sampling_params"]["seed"] for r in requests]))
         wall = 0.0
         for _ in requests:
-            self.served += 1
-            wall += 1.0 + 0.05 * self.served  # each request 5 % slower than the one before
+            self.machine[0] += 1
+            wall += self.cost * (1.0 + 0.05 * self.machine[0])  # each request 5 % slower
         return outs, self.RunStats(wall_s=wall)
 
 
@@ -257,7 +258,8 @@ def test_shipped_cells_take_turns_so_drift_falls_on_all_alike():
     def set_invariant(on):
         backend.invariant = on
 
-    rows = measure_cells(backend, [[5]] * 4, [parse_setting("t0.6p0.9")], single=4, batch=2,
+    rows = measure_cells({"in process": backend}, [[5]] * 4, [parse_setting("t0.6p0.9")],
+                         single=4, batch=2,
                          max_tokens=8, seed0=100, invariants=(True, False),
                          set_invariant=set_invariant, adaptive_k=True, drafter_invariant=True,
                          repeats=2)
@@ -279,3 +281,26 @@ def test_shipped_cells_take_turns_so_drift_falls_on_all_alike():
         if r["batch_invariant"] and r["mode"] != "standard":
             assert r["vs_other_mode"] == pytest.approx(1.0, rel=0.02)
     assert [r["batch_invariant"] for r in rows] == [True] * 6 + [False] * 4  # report order
+
+
+def test_service_and_in_process_take_turns_on_one_machine():
+    """serve_speed's "service / in process": the two places run the same cells in turns on
+    one drifting machine, so a service that costs 1.25x the engine measures 0.80x, whatever
+    the drift; one place after the other, the drift alone would move the ratio far off."""
+    from benchmarks.shipped import measure_cells, ratios
+
+    machine = [0]
+    service, local = _DriftingBackend(machine, cost=1.25), _DriftingBackend(machine)
+    rows = measure_cells({"service": service, "in process": local}, [[5]] * 4,
+                         [parse_setting("greedy")], single=4, batch=2, max_tokens=8, seed0=100,
+                         invariants=(True,), adaptive_k=True, drafter_invariant=True)
+    ratios(rows, True)
+    # prompt by prompt, each place runs both its cells before either runs the next prompt
+    assert len(service.log) == len(local.log) == 2 * 4 + 2 * 2
+    assert [r["place"] for r in rows] == ["service"] * 4 + ["in process"] * 4
+    for r in rows:
+        assert r["speedup"] == pytest.approx(1.0, rel=0.02), r
+        if r["place"] == "service":
+            assert r["vs_in_process"] == pytest.approx(0.8, rel=0.02), r
+        else:
+            assert "vs_in_process" not in r
