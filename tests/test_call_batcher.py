@@ -38,6 +38,27 @@ def test_calls_arriving_during_a_batch_share_the_next_one():
     assert pool.batches == [[0], list(range(1, 8))]
 
 
+def test_a_lone_request_in_rounds_does_not_wait_for_company():
+    """A new call waits wait_s for company; the next rounds of the only caller in rounds do
+    not (regrouping waits for callers in rounds, and there is none to wait for)."""
+
+    async def main():
+        pool = Pool(seconds=0.01)
+        batcher = CallBatcher(pool.run, max_batch_size=16, wait_s=0.5)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await batcher.submit(0)
+        first = loop.time() - start
+        for r in range(1, 4):
+            await batcher.submit(r)
+        return pool, first, loop.time() - start - first
+
+    pool, first, rest = asyncio.run(main())
+    assert pool.batches == [[0], [1], [2], [3]]
+    assert first >= 0.5  # a new call waited for company
+    assert rest < 0.5  # three rounds of 0.01 s, none of them waiting 0.5 s
+
+
 def test_batches_are_bounded_and_keep_arrival_order():
     async def main():
         pool = Pool(seconds=0.01)
