@@ -100,14 +100,14 @@ def measure_cells(backends: dict, prompt_ids, settings, *, single: int, batch: i
     each of `invariants`, switched by `set_invariant(bool)` (None: the backends' only mode).
     The cells of a setting and concurrency take turns (interleaved_units)."""
     rows = []
+    other_name, other_field = other_mode(drafter_invariant)
     for s in settings:
         cells = []
         for place in backends:
             cells += [(place, inv, "target-only", 0, None) for inv in invariants]
             cells += [(place, inv, "speculative", None, None) for inv in invariants]
             if not s.greedy:
-                name, field = other_mode(drafter_invariant)
-                cells.append((place, invariants[0], name, None, field))
+                cells.append((place, invariants[0], other_name, None, other_field))
         one_by_one = [[i] for i in range(single)]
         for c, turns, runs in ((1, one_by_one, 1), (batch, [list(range(batch))] * repeats, repeats)):
             reqs = [_requests(prompt_ids[:max(single, batch)], s.params, k=k,
