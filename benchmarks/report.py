@@ -151,13 +151,20 @@ def _tops(pairs) -> str:
     return ", ".join(f"{t!r}:{n}" for t, n in pairs)
 
 
+def _caps(machine: dict) -> str:
+    caps = machine.get("isa_caps")
+    if not caps:
+        return ""
+    return " (capped by " + ", ".join(f"{k}={v}" for k, v in caps.items()) + ")"
+
+
 def markdown(report: dict, images: list[str] = ()) -> str:
     m, e, cfg = report["machine"], report["engine"], report["config"]
     lines = ["# Speculative decoding benchmark", "",
              f"- command: `{report['command']}`",
              f"- date: {report['date']}; elapsed {report['elapsed_s'] / 60:.1f} min",
              f"- machine: {m.get('cpu', '?')}, {m.get('cpus')} CPUs, {m.get('memory', '?')}, "
-             f"SIMD {', '.join(m.get('simd', [])) or '?'}; torch {m.get('torch')} with "
+             f"SIMD {', '.join(m.get('simd', [])) or '?'}{_caps(m)}; torch {m.get('torch')} with "
              f"{report['torch_threads']} threads; load average before "
              f"{_load(m.get('load_avg'))}, after {_load(report.get('load_avg_after'))}",
              f"- engine: {e.get('backend')}, dtype {e.get('dtype', '?')}, draft `{e.get('draft', '?')}`, "

@@ -220,22 +220,24 @@ def resolve_dtype(dtype: str) -> str:
 
     if torch.cuda.is_available():
         return "bfloat16"
-    from specdec.kernels import cpuinfo
+    from specdec.kernels import cpu_flags
 
     if not Path("/proc/cpuinfo").exists():  # not Linux: nothing to tell by
         return "bfloat16"
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(cpuinfo("flags").split()) else "float32"
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(cpu_flags()) else "float32"
 
 
 def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "cpus": os.cpu_count()}
-    from specdec.kernels import cpuinfo
+    from specdec.kernels import cpu_flags, cpuinfo, isa_caps
 
     cpu = cpuinfo("model name")
     if cpu:
         info["cpu"] = cpu
-    info["simd"] = sorted({f for f in cpuinfo("flags").split() if f.startswith(("avx", "amx"))})
+    info["simd"] = sorted({f for f in cpu_flags() if f.startswith(("avx", "amx"))})
+    if isa_caps():  # the kernels run capped: say so beside the flags they may use
+        info["isa_caps"] = isa_caps()
     try:
         mem = Path("/proc/meminfo").read_text().split("\n")[0]
         info["memory"] = mem.split(":", 1)[1].strip()

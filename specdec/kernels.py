@@ -181,9 +181,38 @@ def cpuinfo(field: str) -> str:
                  if line.startswith(field)), "")
 
 
+# Each library's own switch that caps the instruction sets it runs: ATen's vectorized
+# kernels, oneDNN (bf16 GEMMs), FBGEMM (fp16 and int8 GEMMs), MKL (fp32 GEMMs). All four set
+# to AVX2 (cluster/avx2_cap.env) make an AVX-512 machine run its kernels as an AVX2-only CPU
+# would, so that the calibration can be exercised for that class where none is at hand.
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS",
+            "MKL_ENABLE_INSTRUCTIONS")
+
+
+def isa_caps() -> dict[str, str]:
+    """The instruction-set caps set in this process's environment."""
+    return {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)}
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's flags as this process's kernels may use them: under ATen's AVX2 cap (the
+    switch our own compiled kernel follows too) without the AVX-512 and AMX ones."""
+    flags = cpuinfo("flags").split()
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2":
+        flags = [f for f in flags if not f.startswith(("avx512", "amx"))]
+    return flags
+
+
+def _fbgemm_has_vnni() -> bool:
+    """Whether FBGEMM runs its VNNI kernels: the CPU has them and no cap below them is set
+    (FBGEMM's AVX512_E1 names are its VNNI levels)."""
+    cap = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper()
+    return "avx512_vnni" in cpuinfo("flags").split() and (not cap or cap.startswith("AVX512_E1"))
+
+
 # Without VNNI FBGEMM adds pairs of u8 x s8 products in int16, which 8-bit activations can
 # overflow; 7 bits cannot (PyTorch's reduce_range).
-_W8A8_REDUCE_RANGE = "avx512_vnni" not in cpuinfo("flags").split()
+_W8A8_REDUCE_RANGE = not _fbgemm_has_vnni()
 
 
 def _prepack_w8a8(w: torch.Tensor):
@@ -379,9 +408,11 @@ def calibrate_shape(shape: tuple[int, int], fmt: str, *, check_rows: int = 32) -
 
 
 def machine_key() -> str:
-    """What a calibration depends on besides the shape: CPU model and flags, torch, threads."""
+    """What a calibration depends on besides the shape: CPU model and flags, the libraries'
+    instruction-set caps, torch, threads."""
     cpu = f'{cpuinfo("model name")} {cpuinfo("flags")}'.strip() or platform.processor()
-    raw = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{CALIBRATION_VERSION}"
+    caps = ",".join(f"{k}={v}" for k, v in sorted(isa_caps().items()))
+    raw = f"{cpu}|{caps}|{torch.__version__}|{torch.get_num_threads()}|{CALIBRATION_VERSION}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

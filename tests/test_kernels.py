@@ -3,11 +3,15 @@ that tile rows and sum a remainder tile differently."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from specdec import kernels
 from specdec.kernels import Kernel, Weight, good_row_counts, is_invariant, padded_calls
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiled_gemm(name, x, data, scales):
@@ -164,3 +168,36 @@ def test_dtype_auto_offers_activation_quantizing_formats_to_drafts_only(monkeypa
     shapes = {(64, 96): 1}
     assert runner.choose_format(shapes, "cpu", True, draft=True)[0] == "w8a8"
     assert runner.choose_format(shapes, "cpu", True)[0] != "w8a8"
+
+
+AVX512_CPU = "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 amx_tile\n"
+
+
+def test_instruction_set_caps_key_the_calibration_and_the_flags_kernels_may_use(monkeypatch):
+    """Under the libraries' AVX2 caps (benchmarks/avx2_cap.env) an AVX-512 machine runs its
+    kernels as an AVX2-only CPU: its calibration must not be the uncapped one's, FBGEMM's
+    int8 GEMM has no VNNI (so w8a8 keeps 7-bit activations), and the compiled attention is
+    built without AVX-512."""
+    from specdec import native
+
+    monkeypatch.setattr(kernels, "_cpuinfo_text", lambda: AVX512_CPU)
+    for name in kernels.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    uncapped = kernels.machine_key()
+    assert "avx512f" in kernels.cpu_flags() and kernels._fbgemm_has_vnni()
+    assert all("-mno-avx512f" not in f for f in native.build_flags())
+
+    cap = dict(line.split("=", 1) for line in
+               (ROOT / "benchmarks" / "avx2_cap.env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    assert set(cap) == set(kernels.ISA_CAPS)
+    for name, value in cap.items():
+        monkeypatch.setenv(name, value)
+    assert kernels.machine_key() != uncapped
+    assert kernels.isa_caps() == cap
+    flags = kernels.cpu_flags()
+    assert "avx2" in flags and not [f for f in flags if f.startswith(("avx512", "amx"))]
+    assert not kernels._fbgemm_has_vnni()
+    assert "-mno-avx512f" in native.build_flags()[0]
+    monkeypatch.setenv("FBGEMM_ENABLE_INSTRUCTIONS", "AVX512_E1")  # FBGEMM's VNNI level
+    assert kernels._fbgemm_has_vnni()

@@ -36,6 +36,16 @@ _ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int, _i64, _i64, _ptr,
              _i64, _ptr, ctypes.c_int]
 
 
+def build_flags() -> tuple[tuple[str, ...], ...]:
+    """The flag sets to try in turn. Under ATen's AVX2 cap (kernels.ISA_CAPS) the native
+    build leaves AVX-512 out too, as it would be on an AVX2-only CPU."""
+    from specdec import kernels
+
+    if "avx512f" in kernels.cpuinfo("flags").split() and "avx512f" not in kernels.cpu_flags():
+        return (FLAGS + ("-mno-avx512f",), FALLBACK_FLAGS)
+    return (FLAGS, FALLBACK_FLAGS)
+
+
 def _library_path(flags) -> Path:
     from specdec import kernels  # the calibration's cache folder and CPU description
 
@@ -62,7 +72,7 @@ def load():
     if os.environ.get("SPECDEC_ATTENTION", "auto") == "torch":
         return None
     errors = []
-    for flags in (FLAGS, FALLBACK_FLAGS):
+    for flags in build_flags():
         path = _library_path(flags)
         try:
             with kernels.file_lock(path):
