@@ -183,7 +183,7 @@ def cpuinfo(field: str) -> str:
 
 # Each library's own switch that caps the instruction sets it runs: ATen's vectorized
 # kernels, oneDNN (bf16 GEMMs), FBGEMM (fp16 and int8 GEMMs), MKL (fp32 GEMMs). All four set
-# to AVX2 (cluster/avx2_cap.env) make an AVX-512 machine run its kernels as an AVX2-only CPU
+# to AVX2 (benchmarks/avx2_cap.env) make an AVX-512 machine run its kernels as an AVX2-only CPU
 # would, so that the calibration can be exercised for that class where none is at hand.
 ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS",
             "MKL_ENABLE_INSTRUCTIONS")
