@@ -411,8 +411,9 @@ def machine_key() -> str:
     """What a calibration depends on besides the shape: CPU model and flags, the libraries'
     instruction-set caps, torch, threads."""
     cpu = f'{cpuinfo("model name")} {cpuinfo("flags")}'.strip() or platform.processor()
-    caps = ",".join(f"{k}={v}" for k, v in sorted(isa_caps().items()))
-    raw = f"{cpu}|{caps}|{torch.__version__}|{torch.get_num_threads()}|{CALIBRATION_VERSION}"
+    raw = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{CALIBRATION_VERSION}"
+    if isa_caps():  # only then: an uncapped machine keeps the calibrations it has cached
+        raw += "|" + ",".join(f"{k}={v}" for k, v in sorted(isa_caps().items()))
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
