@@ -412,8 +412,9 @@ def machine_key() -> str:
     instruction-set caps, torch, threads."""
     cpu = f'{cpuinfo("model name")} {cpuinfo("flags")}'.strip() or platform.processor()
     raw = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{CALIBRATION_VERSION}"
-    if isa_caps():  # only then: an uncapped machine keeps the calibrations it has cached
-        raw += "|" + ",".join(f"{k}={v}" for k, v in sorted(isa_caps().items()))
+    caps = isa_caps()
+    if caps:  # only then: an uncapped machine keeps the calibrations it has cached
+        raw += "|" + ",".join(f"{k}={v}" for k, v in sorted(caps.items()))
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

@@ -178,6 +178,7 @@ def test_instruction_set_caps_key_the_calibration_and_the_flags_kernels_may_use(
     kernels as an AVX2-only CPU: its calibration must not be the uncapped one's, FBGEMM's
     int8 GEMM has no VNNI (so w8a8 keeps 7-bit activations), and the compiled attention is
     built without AVX-512."""
+    from cluster.node_env import read_env_file
     from specdec import native
 
     monkeypatch.setattr(kernels, "_cpuinfo_text", lambda: AVX512_CPU)
@@ -187,9 +188,7 @@ def test_instruction_set_caps_key_the_calibration_and_the_flags_kernels_may_use(
     assert "avx512f" in kernels.cpu_flags() and kernels._fbgemm_has_vnni()
     assert all("-mno-avx512f" not in f for f in native.build_flags())
 
-    cap = dict(line.split("=", 1) for line in
-               (ROOT / "benchmarks" / "avx2_cap.env").read_text().splitlines()
-               if line and not line.startswith("#"))
+    cap = read_env_file(ROOT / "benchmarks" / "avx2_cap.env")
     assert set(cap) == set(kernels.ISA_CAPS)
     for name, value in cap.items():
         monkeypatch.setenv(name, value)
