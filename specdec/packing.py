@@ -28,7 +28,7 @@ def pack_probs(probs: torch.Tensor) -> PackedProbs:
     """Pack [R, V] probabilities, sparse when the widest row's support is under V / 4."""
     probs = probs.detach().to("cpu", torch.float32)
     rows, vocab = probs.shape
-    support = int((probs > 0).sum(dim=1).max()) if rows else 0
+    support = int(torch.count_nonzero(probs, dim=1).max()) if rows else 0
     if support * 4 >= vocab:
         return PackedProbs(shape=(rows, vocab), dense=probs.numpy())
     values, indices = probs.topk(max(support, 1), dim=1)
@@ -51,7 +51,7 @@ def pack_blocks(probs: torch.Tensor, lengths: Sequence[int]) -> list[PackedProbs
     if not n:
         return []
     block = torch.repeat_interleave(torch.arange(n), torch.tensor(lens))
-    row_support = (probs > 0).sum(dim=1)
+    row_support = torch.count_nonzero(probs, dim=1)  # probabilities are >= 0
     support = torch.zeros(n, dtype=torch.long).scatter_reduce_(0, block, row_support, "amax")
     support_list = support.tolist()
     dense = [m * 4 >= vocab for m in support_list]

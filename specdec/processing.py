@@ -25,6 +25,8 @@ Order of operations (vLLM V1's `Sampler`, for one row whose history is prompt + 
     token). Deliberate difference from vLLM: tokens tied with the last kept token are kept
     too (vLLM's cut depends on sort order among ties); with continuous logits the two agree.
 12. softmax -> probs; logprobs = log of the same distribution (-inf where probs are 0).
+    A probability under e^-87 (1.6e-38) of the row's largest is flushed to 0 in probs
+    (`EXP_FLOOR`: float32's denormals, where exp is slow); its logprob stays finite.
 
 Rows with raw=True skip everything: softmax(logits) (the pre-PR-10198 target behaviour,
 INCORRECT on purpose; kept for the benchmark).
@@ -271,7 +273,7 @@ def _process(logits: Tensor, idx: Tensor | None, rows: Sequence[Row]) -> Process
     _ban(z, *_min_tokens_pairs(b))
     _add_logit_bias(z, b)
     _apply_penalties(z, b)
-    row_max = z.amax(dim=1)
+    row_max, row_min = z.amax(dim=1), z.amin(dim=1)  # (torch.aminmax: 40x slower on CPU)
     _check_finite(row_max)
 
     temperature = b.param(lambda p: p.temperature)
@@ -282,7 +284,8 @@ def _process(logits: Tensor, idx: Tensor | None, rows: Sequence[Row]) -> Process
         divisor = temperature.masked_fill(greedy, 1.0)  # greedy logprobs: temperature 1
         z.div_(divisor.unsqueeze(1))
         row_max = row_max / divisor  # division is monotonic: still each row's max
-    probs, total = _filter(z, b, greedy, row_max)
+        row_min = row_min / divisor
+    probs, total = _filter(z, b, greedy, row_max, row_min)
 
     logprobs = z.sub_((row_max + total.log()).unsqueeze(1))
     probs.div_(total.unsqueeze(1))
@@ -292,7 +295,8 @@ def _process(logits: Tensor, idx: Tensor | None, rows: Sequence[Row]) -> Process
     return Processed(probs, logprobs)
 
 
-def _filter(z: Tensor, b: _Batch, greedy: Tensor, row_max: Tensor) -> tuple[Tensor, Tensor]:
+def _filter(z: Tensor, b: _Batch, greedy: Tensor, row_max: Tensor,
+            row_min: Tensor) -> tuple[Tensor, Tensor]:
     """min_p, top-k, top-p on the tempered logits `z` (in place). Returns the unnormalised
     probabilities exp(z - max) of what is kept, and their row sums."""
     vocab = z.shape[1]
@@ -306,12 +310,33 @@ def _filter(z: Tensor, b: _Batch, greedy: Tensor, row_max: Tensor) -> tuple[Tens
     cut = _min_p_top_k_cut(min_p, top_k, use_k, row_max, win)
     if cut is not None:
         z.masked_fill_(z < cut.unsqueeze(1), NEG_INF)
-    probs = torch.sub(z, row_max.unsqueeze(1)).exp_()
+    shifted = torch.sub(z, row_max.unsqueeze(1))
+    # The flush costs three passes: only where some logit lies below EXP_FLOOR (the lowest
+    # is row_min - row_max, subtraction being monotonic) or a cut put -inf in. Rows with
+    # none get the same bits either way, so the batch's choice changes no row.
+    if cut is not None or bool((row_min - row_max < EXP_FLOOR).any()):
+        probs = _exp_flushed(shifted)
+    else:
+        probs = shifted.exp_()
     total = vocab_sum(probs)
     p_rows = (top_p < 1).nonzero().squeeze(1)
     if len(p_rows):
         total = _filter_top_p(z, probs, total, top_p, p_rows, row_max, cut, win)
     return probs, total
+
+
+# exp(x) for x below this is float32's denormal range or 0, where torch's vectorised exp
+# runs 10-25x slower on CPU (measured on 151,936 logits: 0.07 ms in range, 0.7-1.8 ms
+# below it), and a pruned draft head puts most of its vocabulary there. Such tokens hold
+# under 1.7e-38 of the row's largest probability: they get exactly 0.
+EXP_FLOOR = -87.0
+
+
+def _exp_flushed(shifted: Tensor) -> Tensor:
+    """exp of `shifted` (<= 0, overwritten) with exp(x) = 0 for x < EXP_FLOOR, elementwise
+    (so batch invariant) and at the in-range speed."""
+    flush = shifted < EXP_FLOOR
+    return shifted.clamp_(min=EXP_FLOOR).exp_().masked_fill_(flush, 0.0)
 
 
 def _float_copy(logits: Tensor, idx: Tensor | None) -> Tensor:
@@ -371,7 +396,7 @@ def _ban(z: Tensor, r: Tensor, t: Tensor) -> None:
     saved = z[r, t]
     z[r, t] = NEG_INF
     rows = torch.unique(r)
-    dead = rows[~(z[rows] > NEG_INF).any(dim=1)]
+    dead = rows[_take(z, rows).amax(dim=1) == NEG_INF]  # no copy when every row bans
     if len(dead):
         undo = torch.isin(r, dead)
         z[r[undo], t[undo]] = saved[undo]

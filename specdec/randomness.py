@@ -160,11 +160,10 @@ def gumbel_argmax(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """
     probs = probs.to(torch.float32)
     keys = hash_keys(seeds, positions, Purpose.GUMBEL).expand(probs.shape[0])
-    support = probs > 0
-    # count_nonzero, not .sum(): a bool sum first copies to int64 (measured 10x slower)
-    if torch.count_nonzero(support).item() > _SPARSE_FRACTION * probs.numel():
+    # count_nonzero of p itself (p >= 0), not (p > 0).sum(): no bool or int64 copy of [R, V]
+    if torch.count_nonzero(probs).item() > _SPARSE_FRACTION * probs.numel():
         return _dense_gumbel_argmax(probs, keys)
-    r, c = support.nonzero(as_tuple=True)
+    r, c = probs.nonzero(as_tuple=True)
     score = probs[r, c].log_() + _noise(keys[r] + _offsets(probs.shape[-1], probs.device)[c])
     best = torch.full((probs.shape[0],), -torch.inf, device=probs.device)
     best = best.scatter_reduce(0, r, score, "amax")

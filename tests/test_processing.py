@@ -552,6 +552,30 @@ def test_top_p_row_is_bitwise_the_same_beside_a_wide_top_k_row():
         torch.set_num_threads(previous)
 
 
+def test_probabilities_below_the_exp_floor_are_exact_zeros_in_any_batch():
+    # A pruned draft head's -1e4 logits, float32's denormal range (exp(-95) = 5.5e-42) and a
+    # ban (-inf) in one row: what lies below e^EXP_FLOOR of the largest is exactly 0 (the
+    # fast path of exp), the rest is the plain softmax. Beside a row with no such logit (which
+    # alone skips the flush), both rows keep their bits.
+    from specdec.processing import EXP_FLOOR
+
+    far = [0.0, -3.0, -86.5, -87.5, -95.0, -110.0, -1e4, NEG_INF]
+    near = [0.0, -3.0, -20.0, -1.0, -2.0, -4.0, -5.0, -6.0]
+    assert -86.5 > EXP_FLOOR > -87.5
+    req = request()
+    alone = one(far, req)
+    assert torch.equal(alone.probs[3:], torch.zeros(5))
+    assert (alone.probs[:3] > 0).all()  # e^-86.5 = 2.9e-38 is kept
+    assert torch.allclose(alone.probs[:3].double(), softmax(far[:3]).double(), rtol=1e-6, atol=0)
+    assert torch.isfinite(alone.logprobs[:7]).all()  # logprobs keep the finite logits' log
+    for rows in ([far, near], [near, far]):
+        batch = process_logits(torch.tensor(rows), [Row(req, ())] * 2)
+        for i, logits in enumerate(rows):
+            single = one(logits, req)
+            assert torch.equal(batch.probs[i], single.probs)
+            assert torch.equal(batch.logprobs[i], single.logprobs)
+
+
 def test_row_sum_is_a_fixed_order_sum():
     from specdec.processing import row_sum
 
