@@ -22,7 +22,7 @@ import torch
 
 from specdec import output as views
 from specdec import stopping
-from specdec.k_policy import MIN_GAIN, choose_k
+from specdec.k_policy import MIN_GAIN, AcceptanceEvidence, choose_k
 from specdec.admission import ModelInfo, admit
 from specdec.api_types import GenerateDelta, GenerateRequest, GenerateResult, TokenLogprob
 from specdec.packing import unpack_probs
@@ -66,6 +66,7 @@ class Generation:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     stats: SpecStats = field(default_factory=SpecStats)
+    evidence: AcceptanceEvidence = field(default_factory=AcceptanceEvidence)  # adaptive K's
     drafted_upto: int = 0  # tokens the request has sent to a draft (its cache's extent)
     wants_draft: bool = False  # its latest plan would draft were the draft pass shared by all
     times: RoundTimes = field(default_factory=RoundTimes)
@@ -111,7 +112,7 @@ class Generation:
     def _adaptive_k(self, max_k: int, left: int, concurrent: int,
                     drafting_peers: int | None) -> tuple[int, bool | None]:
         """K by k_policy, and (where load counts) whether it drafts where all requests do."""
-        choose = partial(choose_k, max_k, self.stats.tested, self.stats.accepted,
+        choose = partial(choose_k, max_k, self.evidence.tested, self.evidence.accepted,
                          self.info.k_costs, remaining=left,
                          catch_up_rows=len(self.prompt_ids) + len(self.output) - self.drafted_upto)
         if not self.text_independent_of_k:
@@ -166,8 +167,13 @@ class Generation:
         emitted = result.tokens[0]
         kept = stopping.commit(self, emitted, scores)
         accepted = int(result.num_accepted[0])
-        self.stats.add_round(k, accepted, kept)
+        self.record_round(k, accepted, kept)
         return RoundResult(proposed=k, accepted=accepted, tokens=emitted[:kept])
+
+    def record_round(self, k: int, accepted: int, kept: int) -> None:
+        """A round's counts: the reported statistics and what adaptive K weighs."""
+        self.stats.add_round(k, accepted, kept)
+        self.evidence.add_round(k, accepted, kept)
 
     # ---- what the caller sees (specdec.output) ----------------------------------------
 

@@ -34,6 +34,10 @@ from dataclasses import dataclass
 
 PRIOR_ACCEPTANCE = 0.8  # before a request has a history: what code prompts reach here
 PRIOR_WEIGHT = 4.0  # proposals' worth of trust in the prior
+# Each emitted token weighs the evidence before it by this (half-life ~14 tokens), so the
+# estimate follows the text's stretches, and a request that stopped drafting after a bad
+# one (rounds at K=0 test nothing) drifts back to the prior and tries again.
+EVIDENCE_DECAY = 0.95
 MIN_GAIN = 0.1  # where K weighs timing and load: the least expected gain worth drafting for
 
 
@@ -136,9 +140,31 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def running_acceptance(tested: int, accepted: int) -> float:
+def running_acceptance(tested: float, accepted: float) -> float:
     """Per-token acceptance from the proposals that met the accept test, with the prior."""
     return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tested + PRIOR_WEIGHT)
+
+
+@dataclass
+class AcceptanceEvidence:
+    """What adaptive K knows of a request's acceptance: the proposals that met the accept
+    test and those accepted, each weighed by EVIDENCE_DECAY per token emitted since its round.
+
+    Drafts accept in stretches (boilerplate runs, then a hard line). Counted over the whole
+    request, a request that stopped drafting after early misses stayed at K=0 to its end:
+    rounds at K=0 test nothing, so the estimate never moved (tests/test_k_policy.py). On the
+    match sequences of 24 HumanEval prompts (benchmarks.k_replay, docs/benchmark.md) the
+    fading gained 0.2-0.6 %. A function of the request's own history, like the counts."""
+
+    tested: float = 0.0
+    accepted: float = 0.0
+
+    def add_round(self, k: int, accepted: int, emitted: int) -> None:
+        keep = EVIDENCE_DECAY ** emitted
+        self.tested, self.accepted = self.tested * keep, self.accepted * keep
+        if k:
+            self.tested += accepted + (1 if accepted < k else 0)
+            self.accepted += accepted
 
 
 def round_ms(k: int, costs: Costs, concurrent: int = 1, whole_pass: bool = False,
@@ -165,7 +191,7 @@ def finish_ms(k: int, acceptance: float, costs: Costs, concurrent: int, remainin
     return ms
 
 
-def choose_k(max_k: int, tested: int, accepted: int, costs: Costs, concurrent: int = 1,
+def choose_k(max_k: int, tested: float, accepted: float, costs: Costs, concurrent: int = 1,
              remaining: int = 1, catch_up_rows: int = 0, whole_pass: bool = False,
              drafting: int | None = None, min_gain: float = 0.0) -> int:
     """The K (0..max_k) that finishes the request soonest: the most tokens per ms where the

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from specdec.k_policy import (MIN_GAIN, Costs, choose_k, expected_tokens, finish_ms, round_ms,
-                              running_acceptance)
+from specdec.k_policy import (MIN_GAIN, AcceptanceEvidence, Costs, choose_k, expected_tokens,
+                              finish_ms, round_ms, running_acceptance)
 from specdec.rejection import SpecStats
 
 
@@ -23,6 +23,7 @@ def generation(costs: Costs, prompt_len: int = 2, drafted_upto: int | None = Non
     info = SimpleNamespace(max_context=4096, k_costs=costs)
     gen = Generation("r", sp, RequestSampling(sp, [1] * prompt_len), 0, 6, info,
                      adaptive_k=True, stats=SpecStats(tested=100, accepted=88),
+                     evidence=AcceptanceEvidence(tested=100, accepted=88),
                      drafted_upto=prompt_len + output_len if drafted_upto is None else drafted_upto)
     gen.output.extend([7] * output_len)
     return gen
@@ -301,3 +302,54 @@ def test_the_first_round_of_a_request_that_may_weigh_load_does_not_draft():
     assert greedy.plan_k(1) >= 3
     standard = generation(SERVICE, prompt_len=118, drafted_upto=0, output_len=0)
     assert standard.plan_k(1) == standard.plan_k(8) >= 3
+
+
+# The cost table a shipped engine measured at load on the 2-core Zen 5 EPYC (whole passes:
+# a draft pass 0.36 of the target's, a slow-drafting load), and match bits in the shape a
+# HumanEval prompt gave at T=0.6 / top_p=0.9 (benchmarks.k_replay): a miss at the start,
+# five in a row, then a long stretch of matches.
+ZEN5_LOAD = Costs(11.6, (1, 5, 8, 16, 17, 32, 33, 64),
+                  (69.84, 78.27, 102.52, 173.33, 177.31, 326.13, 326.23, 636.21),
+                  (11.6, 16.79, 19.6, 27.36, 27.87, 42.97, 43.07, 68.0),
+                  pass_rows=(1, 16), draft_pass_ms=(29.3, 81.16), target_pass_ms=(82.49, 219.82),
+                  draft_prefill_row_ms=1.308)
+EARLY_MISSES = [int(c) for c in "10111100000111111111111111111111"]
+
+
+def test_evidence_fades_with_the_tokens_emitted_since():
+    e = AcceptanceEvidence()
+    for _ in range(3):
+        e.add_round(3, 0, 1)  # three rounds rejected at once
+    low = running_acceptance(e.tested, e.accepted)
+    assert low < 0.5
+    for _ in range(40):
+        e.add_round(0, 0, 1)  # target-only rounds test nothing
+    assert running_acceptance(e.tested, e.accepted) > 0.7  # back towards the prior (0.8)
+    fresh = AcceptanceEvidence()
+    fresh.add_round(4, 2, 3)
+    assert (fresh.tested, fresh.accepted) == (3, 2)  # a round's own tests count in full
+
+
+def test_a_request_stopped_by_early_misses_drafts_again(monkeypatch):
+    """Counted over the whole request, the early misses kept this request at K=0 to its end
+    (rounds at K=0 test nothing, so the estimate never moved); fading evidence brings it
+    back to drafting, through the stretch of matches, and finishes it sooner."""
+    import specdec.k_policy as k_policy
+    from benchmarks.k_replay import replay, shipped_policy
+
+    def run():
+        gen = generation(ZEN5_LOAD, prompt_len=119, drafted_upto=0, output_len=0,
+                         max_tokens=len(EARLY_MISSES), drafter_invariant=True)
+        gen.stats, gen.evidence = SpecStats(), AcceptanceEvidence()
+        ks = []
+        choose, on_round = shipped_policy(gen)
+        result = replay(EARLY_MISSES, lambda t, left: ks.append(choose(t, left)) or ks[-1],
+                        ZEN5_LOAD, prompt_len=119, on_round=on_round)
+        return result, ks
+
+    fading, ks = run()
+    assert sum(ks[len(ks) // 2:]) > 0  # drafting in the second half of its rounds
+    monkeypatch.setattr(k_policy, "EVIDENCE_DECAY", 1.0)  # whole-request counts
+    counted, ks_counted = run()
+    assert ks_counted[-10:] == [0] * 10
+    assert fading.ms < 0.95 * counted.ms
