@@ -9,9 +9,10 @@ computes those bits with the shipped engine (`match_bits`: target-only text, the
 teacher-forced through `run_draft`, the function the Draft deployment runs), and replays K
 policies on them (`replay`) under one cost model: the adaptive-K cost table the engine
 measured at load (`k_policy.Costs`, whole passes). Policies: the shipped one (a real
-`Generation`'s `plan_k`; also with its evidence not fading, as before), each fixed K, and an
-oracle that knows the bits (an upper bound for any policy). Their ratios to K = 0 compare how K is chosen, free of the VM's drift;
-what the ratios leave out (prefill, the cost table's own error) is the same for all.
+`Generation`'s `plan_k`; also with its evidence not fading, as before), each fixed K, and
+an oracle that knows the bits (an upper bound for any policy). Their ratios to K = 0
+compare how K is chosen, free of the VM's drift; what the ratios leave out (prefill, the
+cost table's own error) is the same for all.
 
     .venv/bin/python -m benchmarks.k_replay --prompts 12 --tokens 64
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from specdec import k_policy
 from specdec.k_policy import Costs, round_ms
 from specdec.rounds import DraftCall, run_draft
+
 
 @dataclass
 class Replay:
@@ -92,7 +94,7 @@ def shipped_policy(generation) -> tuple[Callable[[int, int], int], Callable[[int
         assert len(generation.output) == t
         k = generation.plan_k(1, 0)
         if k:
-            generation.drafted_upto = len(generation.prompt_ids) + t
+            generation.draft_call(k)  # the draft has seen the request's tokens up to here
         return k
 
     def on_round(k: int, accepted: int) -> None:
@@ -166,7 +168,8 @@ def replay_all(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], c
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.k_replay", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.k_replay",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=12, help="HumanEval prompts (default 12)")
     p.add_argument("--first", type=int, default=0, help="index of the first prompt (default 0)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per request (default 64)")
@@ -207,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nmatch rate {matched:.3f}; cost table {info.k_costs.to_dict()}")
     print("| policy | speed vs K=0 | rounds | proposed | accepted |\n|---|---|---|---|---|")
     for name, row in results.items():
-        print(f"| {name} | {row['vs_k0']:.3f}x | {row['rounds']} | {row['proposed']} | {row['accepted']} |")
+        print(f"| {name} | {row['vs_k0']:.3f}x | {row['rounds']} | {row['proposed']} "
+              f"| {row['accepted']} |")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(dict(args=vars(args), params=params, match_rate=round(matched, 4),
