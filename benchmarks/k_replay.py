@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-from specdec import k_policy
-from specdec.k_policy import Costs, round_ms
+from specdec.k_policy import AcceptanceEvidence, Costs, round_ms
 from specdec.rounds import DraftCall, run_draft
 
 
@@ -86,9 +84,13 @@ def oracle(bits: Sequence[int], max_k: int) -> Callable[[int, int], int]:
     return lambda t, left: accepted_run(bits, t, max_k)
 
 
-def shipped_policy(generation) -> tuple[Callable[[int, int], int], Callable[[int, int], None]]:
+def shipped_policy(generation, evidence: AcceptanceEvidence | None = None
+                   ) -> tuple[Callable[[int, int], int], Callable[[int, int], None]]:
     """The shipped adaptive K: `generation.plan_k` at concurrency 1 (first round K = 0, then
-    the request's own acceptance and the cost table), told each round's outcome."""
+    the request's own acceptance and the cost table), told each round's outcome; `evidence`
+    replaces the request's own (another decay)."""
+    if evidence is not None:
+        generation.evidence = evidence
 
     def choose(t: int, left: int) -> int:
         assert len(generation.output) == t
@@ -129,37 +131,24 @@ def match_bits(backend, prompt_ids: list[int], params: dict, seed: int, tokens: 
     return bits
 
 
-# The shipped policy as it was before its evidence faded (whole-request counts): kept in the
-# table to show what the fading does on the sequences at hand.
-UNFADED = "adaptive, evidence not fading"
-
-
-@contextmanager
-def _evidence_decay(decay: float):
-    saved, k_policy.EVIDENCE_DECAY = k_policy.EVIDENCE_DECAY, decay
-    try:
-        yield
-    finally:
-        k_policy.EVIDENCE_DECAY = saved
-
-
 def replay_all(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], costs: Costs,
                max_k: int, new_generation: Callable[[int], object]) -> dict[str, dict]:
     """Every policy on every sequence; per policy the totals and the speed vs K = 0."""
     policies: dict[str, Callable] = {f"K={k}": (lambda bits, i, k=k: (fixed(k), None))
                                      for k in range(max_k + 1)}
     policies["adaptive (shipped)"] = lambda bits, i: shipped_policy(new_generation(i))
-    policies[UNFADED] = policies["adaptive (shipped)"]
+    # as it was before its evidence faded: what the fading does on the sequences at hand
+    policies["adaptive, evidence not fading"] = \
+        lambda bits, i: shipped_policy(new_generation(i), AcceptanceEvidence(decay=1.0))
     policies["oracle"] = lambda bits, i: (oracle(bits, max_k), None)
     out = {}
     for name, make in policies.items():
         total = Replay(0, 0.0, 0, 0, 0)
-        with _evidence_decay(1.0 if name == UNFADED else k_policy.EVIDENCE_DECAY):
-            for i, bits in enumerate(sequences):
-                choose, on_round = make(bits, i)
-                r = replay(bits, choose, costs, prompt_len=prompt_lens[i], on_round=on_round)
-                total = Replay(total.tokens + r.tokens, total.ms + r.ms, total.rounds + r.rounds,
-                               total.proposed + r.proposed, total.accepted + r.accepted)
+        for i, bits in enumerate(sequences):
+            choose, on_round = make(bits, i)
+            r = replay(bits, choose, costs, prompt_len=prompt_lens[i], on_round=on_round)
+            total = Replay(total.tokens + r.tokens, total.ms + r.ms, total.rounds + r.rounds,
+                           total.proposed + r.proposed, total.accepted + r.accepted)
         out[name] = total.to_dict()
     base = out["K=0"]["tokens"] / out["K=0"]["ms"]
     for row in out.values():

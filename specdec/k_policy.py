@@ -158,9 +158,10 @@ class AcceptanceEvidence:
 
     tested: float = 0.0
     accepted: float = 0.0
+    decay: float = EVIDENCE_DECAY  # 1.0: whole-request counts (benchmarks.k_replay compares)
 
     def add_round(self, k: int, accepted: int, emitted: int) -> None:
-        keep = EVIDENCE_DECAY ** emitted
+        keep = self.decay ** emitted
         self.tested, self.accepted = self.tested * keep, self.accepted * keep
         if k:
             self.tested += accepted + (1 if accepted < k else 0)

@@ -330,26 +330,24 @@ def test_evidence_fades_with_the_tokens_emitted_since():
     assert (fresh.tested, fresh.accepted) == (3, 2)  # a round's own tests count in full
 
 
-def test_a_request_stopped_by_early_misses_drafts_again(monkeypatch):
+def test_a_request_stopped_by_early_misses_drafts_again():
     """Counted over the whole request, the early misses kept this request at K=0 to its end
     (rounds at K=0 test nothing, so the estimate never moved); fading evidence brings it
     back to drafting, through the stretch of matches, and finishes it sooner."""
-    import specdec.k_policy as k_policy
     from benchmarks.k_replay import replay, shipped_policy
 
-    def run():
+    def run(evidence):
         gen = generation(ZEN5_LOAD, prompt_len=119, drafted_upto=0, output_len=0,
                          max_tokens=len(EARLY_MISSES), drafter_invariant=True)
-        gen.stats, gen.evidence = SpecStats(), AcceptanceEvidence()
+        gen.stats = SpecStats()
         ks = []
-        choose, on_round = shipped_policy(gen)
+        choose, on_round = shipped_policy(gen, evidence)
         result = replay(EARLY_MISSES, lambda t, left: ks.append(choose(t, left)) or ks[-1],
                         ZEN5_LOAD, prompt_len=119, on_round=on_round)
         return result, ks
 
-    fading, ks = run()
+    fading, ks = run(AcceptanceEvidence())
     assert sum(ks[len(ks) // 2:]) > 0  # drafting in the second half of its rounds
-    monkeypatch.setattr(k_policy, "EVIDENCE_DECAY", 1.0)  # whole-request counts
-    counted, ks_counted = run()
+    counted, ks_counted = run(AcceptanceEvidence(decay=1.0))  # whole-request counts
     assert ks_counted[-10:] == [0] * 10
     assert fading.ms < 0.95 * counted.ms
